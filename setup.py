@@ -1,0 +1,31 @@
+"""pip install route for the wisv_ros Python package (the interfaces are built by CMake).
+
+tools/setup.sh builds msg/ and action/ with CMake into the venv, then installs this package
+editable. colcon builds the package with CMakeLists.txt instead and ignores this file.
+"""
+import re
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+PACKAGE_NAME = "wisv_ros"
+HERE = Path(__file__).resolve().parent
+# One version for package.xml, setup.py and wisv_ros.__version__ (test_interfaces.py checks).
+VERSION = re.search(r"<version>([^<]+)</version>", (HERE / "package.xml").read_text()).group(1)
+
+setup(
+    name=PACKAGE_NAME,
+    version=VERSION,
+    packages=find_packages(include=[PACKAGE_NAME, PACKAGE_NAME + ".*"]),
+    data_files=[
+        ("share/ament_index/resource_index/packages", ["resource/" + PACKAGE_NAME]),
+        ("share/" + PACKAGE_NAME, ["package.xml"]),
+    ],
+    python_requires=">=3.10",
+    # Dependencies are pinned in tools/requirements.txt (torch must be the CPU build).
+    install_requires=[],
+    zip_safe=False,
+    license="Apache-2.0",
+    description="Wireless speculative verification over ROS 2",
+    entry_points={"console_scripts": []},
+)

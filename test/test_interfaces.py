@@ -1,0 +1,82 @@
+"""The generated interfaces and our own wisv_ros package import side by side.
+
+rosidl installs wisv_ros/msg and wisv_ros/action (and, on some routes, an empty generated
+wisv_ros/__init__.py); our wisv_ros/__init__.py must be the one imported and must stay ROS-free.
+"""
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_wisv_ros_is_our_package():
+    import wisv_ros
+
+    package_xml = (ROOT / "package.xml").read_text()
+    assert wisv_ros.__version__ == re.search(r"<version>([^<]+)</version>", package_xml).group(1)
+    # Several folders named wisv_ros (ours + the generated one) form one package.
+    assert any(Path(p, "msg").is_dir() for p in wisv_ros.__path__)
+
+
+def test_import_wisv_ros_does_not_import_rclpy():
+    code = "import sys, wisv_ros; print('rclpy' in sys.modules, wisv_ros.__file__)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/"
+    ).stdout.split()
+    assert out[0] == "False", "import wisv_ros pulled in rclpy"
+    assert Path(out[1]).name == "__init__.py"
+
+
+def test_generated_interfaces_import():
+    from wisv_ros.action import Generate
+    from wisv_ros.msg import ChannelState, DraftBlock, HiddenStates, RoundStats, Verdict
+
+    assert DraftBlock.PROTOCOL_IDS == 0
+    assert DraftBlock.PROTOCOL_FH == 1
+    assert DraftBlock.PROTOCOL_SH == 2
+    assert Verdict.CORRECTION_NONE == -1
+    assert HiddenStates.DTYPE_BFLOAT16 == "bfloat16"
+    for cls in (ChannelState, RoundStats, Generate.Goal, Generate.Result, Generate.Feedback):
+        cls()  # default-constructible
+
+
+def test_draft_block_round_trip_with_4kib_hidden():
+    np = pytest.importorskip("numpy")
+    from rclpy.serialization import deserialize_message, serialize_message
+    from wisv_ros.msg import DraftBlock
+
+    hidden = np.arange(1024, dtype="<f4").reshape(2, 512)  # 2 positions x 512 float32 = 4 KiB
+    msg = DraftBlock()
+    msg.header.frame_id = "drafter"
+    msg.header.stamp.sec = 12
+    msg.header.stamp.nanosec = 345
+    msg.request_id = "req-1"
+    msg.round_id = 7
+    msg.prefix_length = 42
+    msg.token_ids = [1, 2, 3, 262143]
+    msg.protocol = DraftBlock.PROTOCOL_FH
+    msg.hidden.data = hidden.tobytes()
+    msg.hidden.dtype = "float32"
+    msg.hidden.shape = list(hidden.shape)
+    msg.hidden.positions = [0, 3]
+    msg.drafter_time = 0.0125
+
+    back = deserialize_message(serialize_message(msg), DraftBlock)
+
+    assert back == msg
+    assert back.header.frame_id == "drafter"
+    assert (back.header.stamp.sec, back.header.stamp.nanosec) == (12, 345)
+    assert (back.request_id, back.round_id, back.prefix_length) == ("req-1", 7, 42)
+    assert list(back.token_ids) == [1, 2, 3, 262143]
+    assert back.protocol == DraftBlock.PROTOCOL_FH
+    assert back.hidden.dtype == "float32"
+    assert list(back.hidden.shape) == [2, 512]
+    assert list(back.hidden.positions) == [0, 3]
+    assert back.drafter_time == 0.0125
+    assert len(back.hidden.data) == 4096
+    decoded = np.frombuffer(bytes(back.hidden.data), dtype="<f4").reshape(back.hidden.shape)
+    np.testing.assert_array_equal(decoded, hidden)

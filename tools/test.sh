@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Run the test suite: bash tools/test.sh [pytest args...] (default: test/)
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+bash "$ROOT/tools/setup.sh"
+# shellcheck disable=SC1091
+source "$ROOT/tools/env.sh"
+# A domain of its own (1..101, from the PID) so parallel runs do not see each other's topics.
+export ROS_DOMAIN_ID="${WISV_TEST_DOMAIN_ID:-$(($$ % 101 + 1))}"
+export ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST
+cd "$ROOT"
+# Default to test/ unless a path (file, folder or file::test) is given.
+has_path=0
+for arg in "$@"; do [[ -e "${arg%%::*}" ]] && has_path=1; done
+((has_path)) || set -- test/ "$@"
+exec python -m pytest -q "$@"

@@ -1,0 +1,136 @@
+"""Acceptance rules: which draft tokens of a block the target commits.
+
+Glossary of token roles in one round (K draft tokens, one target pass over prefix + draft):
+
+* draft tokens   ``d[0..K-1]`` proposed by the drafter (target vocabulary);
+* target logits  ``L[0..K]``: ``L[i]`` is the target's prediction for the token at draft position i,
+  ``L[K]`` predicts the token after the whole block;
+* accepted       the first ``n`` draft tokens the rule keeps;
+* correction     when ``n < K``: the target's replacement for the rejected draft token ``d[n]``;
+* bonus          when ``n == K``: the extra token predicted by ``L[K]`` for free.
+
+Every rule returns ``Decision(n_accepted, next_id)``: the round commits ``d[:n] + [next_id]``, so a
+round always commits between 1 and K+1 tokens.
+
+No rclpy here: this module is part of the ROS-free core.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import torch
+
+__all__ = ["Decision", "greedy_accept", "judged_accept", "mismatch_positions", "rejection_accept", "softmax_t"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    n_accepted: int  # draft tokens kept, 0..K
+    next_id: int  # correction (n < K) or bonus (n == K) token
+
+
+def softmax_t(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Softmax at a temperature > 0 (float64 for exact ratios in rejection sampling)."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
+    return torch.softmax(logits.double() / temperature, dim=-1)
+
+
+def mismatch_positions(draft_ids: Sequence[int], target_logits: torch.Tensor) -> list[int]:
+    """Positions i where the target's argmax differs from the draft token (the set S of WISV).
+
+    target_logits: [K+1, V] (or [K, V]); only the first K rows are compared.
+    """
+    k = len(draft_ids)
+    if k == 0:
+        return []
+    argmax = target_logits[:k].argmax(dim=-1)
+    draft = torch.as_tensor(list(draft_ids), dtype=argmax.dtype)
+    return torch.nonzero(argmax != draft).flatten().tolist()
+
+
+def greedy_accept(draft_ids: Sequence[int], target_logits: torch.Tensor) -> Decision:
+    """Lossless greedy verification: keep drafts up to the first mismatch with the target's argmax.
+
+    The committed sequence is exactly what the target alone would produce greedily.
+    target_logits: [K+1, V].
+    """
+    return judged_accept(draft_ids, target_logits, judge=None, tau=0.0)
+
+
+def judged_accept(
+    draft_ids: Sequence[int],
+    target_logits: torch.Tensor,
+    judge: Callable[[list[int]], torch.Tensor] | None,
+    tau: float,
+) -> Decision:
+    """Semantic verification (WISV Algorithm 1, steps 4-7).
+
+    At each mismatch position i the ``judge`` returns a *rejection* probability
+    sigma(g([h_D; h_T; c])); the block is cut at the first mismatch whose probability is >= tau.
+    Positions where draft and target agree are never judged.
+
+    * tau <= 0: every mismatch is rejected (sigma >= 0 always), identical to greedy verification,
+      and the judge is not even called;
+    * tau > 1: no mismatch is rejected; every draft token is accepted.
+
+    judge: maps the mismatch positions (ascending) to a [len(S)] tensor of rejection probabilities.
+    target_logits: [K+1, V].
+    """
+    k = len(draft_ids)
+    if target_logits.shape[0] != k + 1:
+        raise ValueError(f"target_logits has {target_logits.shape[0]} rows, expected K+1 = {k + 1}")
+    argmax = target_logits.argmax(dim=-1).tolist()
+    mismatches = mismatch_positions(draft_ids, target_logits)
+    cut = k
+    if mismatches:
+        if tau <= 0 or judge is None:
+            cut = mismatches[0]
+        else:
+            p_reject = judge(mismatches)
+            for pos, p in zip(mismatches, p_reject.tolist()):
+                if p >= tau:
+                    cut = pos
+                    break
+    return Decision(n_accepted=cut, next_id=int(argmax[cut]))
+
+
+def rejection_accept(
+    draft_ids: Sequence[int],
+    draft_probs: torch.Tensor,
+    target_logits: torch.Tensor,
+    temperature: float,
+    generator: torch.Generator,
+) -> Decision:
+    """Speculative (rejection) sampling; the committed tokens follow the target's distribution exactly.
+
+    For i = 0..K-1 accept d[i] with probability min(1, p_T(d[i]) / p_D(d[i])); on the first
+    rejection sample the correction from norm(max(0, p_T - p_D)); if all are accepted, sample the
+    bonus from p_T at position K. Same vocabulary only.
+
+    draft_probs: [K, V] the drafter's sampling distribution at each draft position.
+    target_logits: [K+1, V].
+    """
+    k = len(draft_ids)
+    if draft_probs.shape[0] != k or target_logits.shape[0] != k + 1:
+        raise ValueError(
+            f"shapes: draft_probs {tuple(draft_probs.shape)} and target_logits {tuple(target_logits.shape)} "
+            f"do not fit K = {k} (expected [K, V] and [K+1, V])"
+        )
+    if draft_probs.shape[-1] != target_logits.shape[-1]:
+        raise ValueError(
+            f"rejection sampling needs one vocabulary: drafter has {draft_probs.shape[-1]} entries, "
+            f"target {target_logits.shape[-1]}"
+        )
+    p_t = softmax_t(target_logits, temperature)
+    p_d = draft_probs.double()
+    for i, tok in enumerate(draft_ids):
+        ratio = p_t[i, tok] / p_d[i, tok].clamp_min(1e-300)
+        u = torch.rand((), generator=generator, dtype=torch.float64)
+        if u >= ratio:  # reject with probability 1 - min(1, ratio)
+            residual = (p_t[i] - p_d[i]).clamp_min(0.0)
+            total = residual.sum()
+            dist = residual / total if total > 0 else p_t[i]
+            return Decision(i, int(torch.multinomial(dist, 1, generator=generator)))
+    return Decision(k, int(torch.multinomial(p_t[k], 1, generator=generator)))

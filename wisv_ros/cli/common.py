@@ -1,0 +1,113 @@
+"""What the command-line tools share: model loading, method set-up and text streaming."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+
+from ..decoding import Drafter, Method, Verifier
+from ..lm import CausalLM
+from ..models import DEFAULT_DRAFTER, DEFAULT_TARGET, REGISTRY, load_model
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    names = ", ".join(REGISTRY)
+    p.add_argument("--drafter", default=DEFAULT_DRAFTER, help=f"drafter model: {names}, a HF folder or a .gguf file (default %(default)s)")
+    p.add_argument("--target", default=DEFAULT_TARGET, help=f"target model, same choices (default %(default)s)")
+    p.add_argument("--k", type=int, default=8, help="draft tokens per round, K (default %(default)s)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of method reject (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of sampling methods (default %(default)s)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    if args.k < 1:
+        sys.exit(f"error: --k must be >= 1 (got {args.k})")
+    if args.temperature <= 0:
+        sys.exit(f"error: --temperature must be > 0 (got {args.temperature})")
+
+
+def set_threads(n: int) -> None:
+    import torch
+
+    if n > 0:
+        torch.set_num_threads(n)
+
+
+def load_pair(args: argparse.Namespace, need_drafter: bool = True) -> tuple[CausalLM, CausalLM | None]:
+    """Load (target, drafter); the drafter is None when only the target is needed."""
+    t0 = time.perf_counter()
+    target = CausalLM(*load_model(args.target))
+    drafter = CausalLM(*load_model(args.drafter)) if need_drafter else None
+    print(f"[wisv_ros] models loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return target, drafter
+
+
+def make_halves(method: Method, target: CausalLM, drafter: CausalLM, args: argparse.Namespace) -> tuple[Drafter, Verifier]:
+    """The robot and edge halves for a speculative method."""
+    sampling = method == Method.REJECT
+    d = Drafter(drafter, target_tokenizer=target.tokenizer, temperature=args.temperature if sampling else 0.0, seed=args.seed)
+    if sampling and d.cross:
+        raise SystemExit(
+            f"error: method reject needs one vocabulary, but drafter '{args.drafter}' and target '{args.target}' "
+            "have different tokenizers; use method greedy or wisv, or a same-tokenizer pair"
+        )
+    v = Verifier(target, method, temperature=args.temperature, seed=args.seed)
+    return d, v
+
+
+class TextStream:
+    """Prints committed text as it arrives (decodes the whole answer, prints the new suffix)."""
+
+    def __init__(self, tokenizer, out=sys.stdout):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.printed = 0
+        self.out = out
+
+    def __call__(self, new_ids: list[int]) -> None:
+        self.ids.extend(new_ids)
+        if self.tokenizer is None:
+            text = " ".join(map(str, self.ids)) + " "
+        else:
+            text = self.tokenizer.decode(self.ids, skip_special_tokens=True).rstrip("\ufffd")
+        self.out.write(text[self.printed:])
+        self.out.flush()
+        self.printed = len(text)
+
+
+class PeakRSS:
+    """Samples the process's resident memory in a background thread; ``peak_mb`` after ``stop()``."""
+
+    def __init__(self, period_s: float = 0.05):
+        self.period_s = period_s
+        self.peak_mb = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def rss_mb() -> float:
+        try:
+            with open(f"/proc/{os.getpid()}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        return int(line.split()[1]) / 1024.0
+        except OSError:
+            pass
+        return 0.0
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak_mb = max(self.peak_mb, self.rss_mb())
+            self._stop.wait(self.period_s)
+
+    def __enter__(self) -> "PeakRSS":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak_mb = max(self.peak_mb, self.rss_mb())

