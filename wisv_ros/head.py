@@ -1,0 +1,464 @@
+"""The WISV decision head: training (torch), ONNX export, inference (onnxruntime) and the judge hook.
+
+The head maps one mismatch's input ``x = [h_D ; h_T ; c]`` (drafter hidden, target hidden, channel
+features of :meth:`link.ChannelState.features`) to a *rejection* probability (SPEC "One round",
+step 6; paper Eqs. 23-27):  ``p = sigmoid(W2 dropout(relu(W1 norm(x) + b1)) + b2)``.
+
+``norm`` standardises the hidden parts with the training set's per-feature mean and std, stored in
+the head as buffers; the channel features are already on a unit scale (link.py) and pass through.
+The normalisation is part of :meth:`DecisionHead.forward` and therefore of the exported ONNX graph,
+so every consumer feeds raw hiddens.
+
+Files written by :func:`export_onnx`:
+
+* ``<name>.onnx``: input ``features`` float32 [n, d_D + d_T + 3] (raw ``[h_D ; h_T ; c]``),
+  output ``reject_prob`` float32 [n]; opset 17, TorchScript exporter (see :func:`export_onnx`).
+* ``<name>.json``: the sidecar, ``d_draft``, ``d_target``, ``channel_features`` and whatever the
+  caller adds (models, training commands).
+
+No rclpy here: the verifier node wraps :class:`OnnxHead` and :func:`make_judge`.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import numbers
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .link import CHANNEL_FEATURES, ChannelState
+
+__all__ = [
+    "DecisionHead",
+    "EpochStats",
+    "OnnxHead",
+    "TrainHistory",
+    "export_onnx",
+    "make_judge",
+    "roc_auc",
+    "sidecar_path",
+    "train_head",
+]
+
+N_CHANNEL = len(CHANNEL_FEATURES)
+ONNX_INPUT = "features"
+ONNX_OUTPUT = "reject_prob"
+ONNX_OPSET = 17
+SIDECAR_FORMAT = "wisv_decision_head/1"
+_STD_FLOOR = 1e-6  # a hidden feature with a smaller training std is only centred
+
+
+# --------------------------------------------------------------------------- the module
+
+
+class DecisionHead(nn.Module):
+    """Linear(d_in, hidden) -> ReLU -> Dropout(p) -> Linear(hidden, 1) on normalised inputs.
+
+    Args:
+        d_draft: d_D, width of the drafter hidden state.
+        d_target: d_T, width of the target hidden state.
+        hidden: width of the hidden layer (the paper's d_J).
+        dropout: dropout probability in [0, 1).
+
+    ``d_in = d_draft + d_target + len(CHANNEL_FEATURES)``. The buffers ``feature_mean`` and
+    ``feature_std`` [d_in] hold the input normalisation (identity until :meth:`fit_normalization`).
+    """
+
+    def __init__(self, d_draft: int, d_target: int, hidden: int = 256, dropout: float = 0.1) -> None:
+        super().__init__()
+        for name, value in (("d_draft", d_draft), ("d_target", d_target), ("hidden", hidden)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        d_draft, d_target, hidden = int(d_draft), int(d_target), int(hidden)
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+        self.d_draft = d_draft
+        self.d_target = d_target
+        self.hidden = hidden
+        self.d_in = d_draft + d_target + N_CHANNEL
+        self.register_buffer("feature_mean", torch.zeros(self.d_in))
+        self.register_buffer("feature_std", torch.ones(self.d_in))
+        self.mlp = nn.Sequential(
+            nn.Linear(self.d_in, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, 1)
+        )
+
+    def fit_normalization(self, X: np.ndarray | torch.Tensor) -> None:
+        """Set the per-feature mean/std of the hidden columns from training rows X [n, d_in]."""
+        x = torch.as_tensor(np.asarray(X, dtype=np.float32))
+        self._check_width(x)
+        d_hid = self.d_draft + self.d_target
+        mean = torch.zeros(self.d_in)
+        std = torch.ones(self.d_in)
+        mean[:d_hid] = x[:, :d_hid].double().mean(0).float()
+        s = x[:, :d_hid].double().std(0, unbiased=False).float()
+        std[:d_hid] = torch.where(s > _STD_FLOOR, s, torch.ones_like(s))
+        self.feature_mean.copy_(mean)
+        self.feature_std.copy_(std)
+
+    def _check_width(self, x: torch.Tensor) -> None:
+        if x.ndim != 2 or x.shape[1] != self.d_in:
+            raise ValueError(
+                f"decision head input must be [n, d_in={self.d_in}] (d_D={self.d_draft} + "
+                f"d_T={self.d_target} + {N_CHANNEL} channel features), got {tuple(x.shape)}"
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits [n] of the rejection probability for raw rows x [n, d_in]."""
+        if not torch.jit.is_tracing():
+            self._check_width(x)
+        z = (x - self.feature_mean) / self.feature_std
+        return self.mlp(z).squeeze(-1)
+
+    def reject_prob(self, x: torch.Tensor | np.ndarray) -> torch.Tensor:
+        """Rejection probabilities [n] = sigmoid(forward(x)) (no gradient)."""
+        with torch.no_grad():
+            return torch.sigmoid(self(torch.as_tensor(np.asarray(x, dtype=np.float32))))
+
+
+# --------------------------------------------------------------------------- training
+
+
+def roc_auc(scores: np.ndarray, labels: np.ndarray) -> float:
+    """Area under the ROC curve (Mann-Whitney U with average ranks for ties); NaN with one class.
+
+    >>> roc_auc(np.array([0.1, 0.4, 0.35, 0.8]), np.array([0, 0, 1, 1]))
+    0.75
+    """
+    scores = np.asarray(scores, dtype=np.float64).ravel()
+    labels = np.asarray(labels).ravel().astype(bool)
+    n_pos = int(labels.sum())
+    n_neg = labels.size - n_pos
+    if n_pos == 0 or n_neg == 0:
+        return math.nan
+    _, inverse, counts = np.unique(scores, return_inverse=True, return_counts=True)
+    upper = np.cumsum(counts)  # 1-based rank of the last element of each group of equal scores
+    avg_rank = upper - (counts - 1) / 2.0
+    rank_sum = avg_rank[inverse][labels].sum()
+    return float((rank_sum - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
+
+
+@dataclass(frozen=True)
+class EpochStats:
+    """Metrics after one epoch. Accuracy and AUC binarise the (possibly soft) labels at 0.5."""
+
+    epoch: int  # 1-based
+    train_loss: float  # mean BCE over the epoch's batches
+    val_loss: float
+    val_accuracy: float
+    val_auc: float
+
+
+@dataclass
+class TrainHistory:
+    """Per-epoch metrics and the epoch (1-based) whose weights the returned head holds."""
+
+    epochs: list[EpochStats] = field(default_factory=list)
+    best_epoch: int = 0
+
+    @property
+    def best(self) -> EpochStats:
+        return self.epochs[self.best_epoch - 1]
+
+
+def _as_xy(name: str, X: Any, y: Any, d_in: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x = np.asarray(X, dtype=np.float32)
+    t = np.asarray(y, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] != d_in:
+        raise ValueError(f"{name}: X must be [n, d_in={d_in}], got {x.shape}")
+    if t.shape != (x.shape[0],):
+        raise ValueError(f"{name}: y must be [n={x.shape[0]}], got {t.shape}")
+    if t.size and (t.min() < 0 or t.max() > 1):
+        raise ValueError(f"{name}: labels must lie in [0, 1]")
+    return torch.from_numpy(x), torch.from_numpy(t)
+
+
+def train_head(
+    X: np.ndarray,
+    y: np.ndarray,
+    X_val: np.ndarray,
+    y_val: np.ndarray,
+    *,
+    d_draft: int,
+    hidden: int = 256,
+    dropout: float = 0.1,
+    epochs: int = 30,
+    lr: float = 1e-3,
+    weight_decay: float = 1e-4,
+    batch_size: int = 256,
+    seed: int = 0,
+    progress: bool = True,
+) -> tuple[DecisionHead, TrainHistory]:
+    """Train a :class:`DecisionHead` with BCE (soft labels allowed) and AdamW; keep the best epoch.
+
+    Args:
+        X, y: training rows [n, d_D + d_T + 3] (``[h_D ; h_T ; c]``) and labels in [0, 1] [n]
+            (1 = repair = reject), e.g. from :func:`relabel.make_instances`.
+        X_val, y_val: validation rows and labels; the returned head has the weights of the epoch
+            with the lowest validation loss.
+        d_draft: d_D, where the drafter part of a row ends (d_T is the rest minus the channel).
+        seed: seeds initialisation, shuffling and dropout; the global torch RNG is left untouched.
+        progress: show a tqdm bar over the epochs with the validation metrics.
+
+    Returns the head (eval mode) and its :class:`TrainHistory`.
+    """
+    x_np = np.asarray(X)
+    if x_np.ndim != 2:
+        raise ValueError(f"X must be [n, d_in], got shape {x_np.shape}")
+    d_target = x_np.shape[1] - d_draft - N_CHANNEL
+    if d_target < 1:
+        raise ValueError(f"X has {x_np.shape[1]} columns: too few for d_D={d_draft} + d_T + {N_CHANNEL}")
+    if epochs < 1 or batch_size < 1:
+        raise ValueError(f"epochs and batch_size must be >= 1, got {epochs} and {batch_size}")
+    d_in = x_np.shape[1]
+    x, t = _as_xy("train", X, y, d_in)
+    xv, tv = _as_xy("validation", X_val, y_val, d_in)
+    if x.shape[0] == 0 or xv.shape[0] == 0:
+        raise ValueError("training and validation sets must not be empty")
+    history = TrainHistory()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        head = DecisionHead(d_draft, d_target, hidden=hidden, dropout=dropout)
+        head.fit_normalization(x)
+        opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=weight_decay)
+        loss_fn = nn.BCEWithLogitsLoss()
+        shuffle = torch.Generator().manual_seed(seed)
+        best_loss = math.inf
+        best_state: dict[str, torch.Tensor] = {}
+        bar = tqdm(range(1, epochs + 1), desc="decision head", unit="epoch", disable=not progress)
+        for epoch in bar:
+            head.train()
+            total, n_seen = 0.0, 0
+            for idx in torch.randperm(x.shape[0], generator=shuffle).split(batch_size):
+                opt.zero_grad()
+                loss = loss_fn(head(x[idx]), t[idx])
+                loss.backward()
+                opt.step()
+                total += loss.item() * idx.numel()
+                n_seen += idx.numel()
+            head.eval()
+            with torch.no_grad():
+                logits = head(xv)
+                val_loss = float(loss_fn(logits, tv))
+            prob = torch.sigmoid(logits).numpy()
+            hard = tv.numpy() >= 0.5
+            stats = EpochStats(
+                epoch=epoch,
+                train_loss=total / n_seen,
+                val_loss=val_loss,
+                val_accuracy=float(np.mean((prob >= 0.5) == hard)),
+                val_auc=roc_auc(prob, hard),
+            )
+            history.epochs.append(stats)
+            if val_loss < best_loss:
+                best_loss = val_loss
+                history.best_epoch = epoch
+                best_state = copy.deepcopy(head.state_dict())
+            bar.set_postfix(val_loss=f"{val_loss:.4f}", acc=f"{stats.val_accuracy:.3f}", auc=f"{stats.val_auc:.3f}")
+        bar.close()
+    head.load_state_dict(best_state)
+    head.eval()
+    return head, history
+
+
+# --------------------------------------------------------------------------- ONNX export
+
+
+def sidecar_path(onnx_path: str | Path) -> Path:
+    """The JSON sidecar next to an ONNX head: ``head.onnx`` -> ``head.json``."""
+    return Path(onnx_path).with_suffix(".json")
+
+
+class _ProbabilityGraph(nn.Module):
+    """What is exported: raw rows in, rejection probabilities out."""
+
+    def __init__(self, head: DecisionHead) -> None:
+        super().__init__()
+        self.head = head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.head(x))
+
+
+def export_onnx(head: DecisionHead, path: str | Path, meta: dict[str, Any] | None = None) -> Path:
+    """Write ``path`` (ONNX, normalisation included) and its JSON sidecar; return the sidecar path.
+
+    The sidecar holds ``format``, ``onnx`` (file name), ``input``/``output`` names, ``d_draft``,
+    ``d_target``, ``d_in``, ``hidden``, ``channel_features``, ``opset``, then the caller's ``meta``
+    (models, training commands, metrics...; JSON-serialisable). ``meta`` may repeat a generated
+    key only with the same value.
+
+    Exporter: torch 2.13 defaults to the torch.export-based exporter, which needs ``onnxscript``
+    (not a dependency of wisv_ros); the TorchScript exporter (``dynamo=False``) works for this MLP,
+    and its deprecation warning is silenced here.
+    """
+    path = Path(path)
+    info: dict[str, Any] = {
+        "format": SIDECAR_FORMAT,
+        "onnx": path.name,
+        "input": ONNX_INPUT,
+        "output": ONNX_OUTPUT,
+        "d_draft": head.d_draft,
+        "d_target": head.d_target,
+        "d_in": head.d_in,
+        "hidden": head.hidden,
+        "channel_features": list(CHANNEL_FEATURES),
+        "opset": ONNX_OPSET,
+    }
+    for key, value in (meta or {}).items():
+        if key in info and info[key] != value:
+            raise ValueError(f"meta[{key!r}] = {value!r} contradicts the head ({info[key]!r})")
+        info[key] = value
+    text = json.dumps(info, indent=2)  # fail before writing anything if meta is not JSON
+    graph = _ProbabilityGraph(copy.deepcopy(head).cpu().eval())
+    dummy = torch.zeros(2, head.d_in)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*legacy TorchScript-based ONNX export", category=DeprecationWarning)
+        warnings.filterwarnings("ignore", message=r"The feature will be removed", category=DeprecationWarning)
+        torch.onnx.export(
+            graph,
+            (dummy,),
+            str(path),
+            input_names=[ONNX_INPUT],
+            output_names=[ONNX_OUTPUT],
+            dynamic_axes={ONNX_INPUT: {0: "n"}, ONNX_OUTPUT: {0: "n"}},
+            opset_version=ONNX_OPSET,
+            dynamo=False,
+        )
+    side = sidecar_path(path)
+    side.write_text(text + "\n", encoding="utf-8")
+    return side
+
+
+# --------------------------------------------------------------------------- inference
+
+
+def _default_providers() -> list[str]:
+    import onnxruntime as ort
+
+    available = ort.get_available_providers()
+    return (["CUDAExecutionProvider"] if "CUDAExecutionProvider" in available else []) + ["CPUExecutionProvider"]
+
+
+class OnnxHead:
+    """A decision head exported by :func:`export_onnx`, run with onnxruntime.
+
+    Args:
+        path: the ``.onnx`` file; its JSON sidecar (:func:`sidecar_path`) must sit next to it.
+        providers: onnxruntime execution providers; ``None`` = CUDA first when available, else CPU.
+        intra_op_threads: CPU threads of the session (the head is tiny: 1 avoids thread overhead).
+
+    Attributes: ``d_draft``, ``d_target``, ``meta`` (the sidecar), ``providers`` (in use).
+
+    Raises:
+        FileNotFoundError: the ONNX file or its sidecar is missing.
+        ValueError: the sidecar's channel feature layout differs from :data:`link.CHANNEL_FEATURES`
+            (the head was trained for another layout) or does not match the graph's input width.
+    """
+
+    def __init__(self, path: str | Path, providers: list[str] | None = None, *, intra_op_threads: int = 1) -> None:
+        import onnxruntime as ort
+
+        path = Path(path)
+        side = sidecar_path(path)
+        for p in (path, side):
+            if not p.is_file():
+                raise FileNotFoundError(f"decision head file missing: {p}")
+        self.meta: dict[str, Any] = json.loads(side.read_text(encoding="utf-8"))
+        missing = [k for k in ("d_draft", "d_target", "channel_features") if k not in self.meta]
+        if missing:
+            raise ValueError(f"{side}: sidecar lacks {', '.join(missing)}")
+        if list(self.meta["channel_features"]) != list(CHANNEL_FEATURES):
+            raise ValueError(
+                f"{side}: head trained on channel features {self.meta['channel_features']}, "
+                f"this build computes {list(CHANNEL_FEATURES)}; retrain the head"
+            )
+        self.d_draft = int(self.meta["d_draft"])
+        self.d_target = int(self.meta["d_target"])
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = intra_op_threads
+        options.inter_op_num_threads = 1
+        self._session = ort.InferenceSession(
+            str(path), sess_options=options, providers=providers or _default_providers()
+        )
+        self.providers: list[str] = self._session.get_providers()
+        inp = self._session.get_inputs()[0]
+        self._input_name = inp.name
+        width = inp.shape[1] if len(inp.shape) == 2 else None
+        if width != self.d_draft + self.d_target + N_CHANNEL:
+            raise ValueError(
+                f"{path}: graph input width {width} != d_D={self.d_draft} + d_T={self.d_target} "
+                f"+ {N_CHANNEL} from {side.name}"
+            )
+
+    def reject_prob(self, h_draft: np.ndarray, h_target: np.ndarray, channel_features: np.ndarray) -> np.ndarray:
+        """Rejection probabilities float32 [n].
+
+        Args:
+            h_draft: [n, d_D] drafter hiddens at the mismatches.
+            h_target: [n, d_T] target hiddens at the same positions.
+            channel_features: [3] (one channel for all rows) or [n, 3], from ``ChannelState.features()``.
+        """
+        h_d = np.asarray(h_draft, dtype=np.float32)
+        h_t = np.asarray(h_target, dtype=np.float32)
+        c = np.asarray(channel_features, dtype=np.float32)
+        if h_d.ndim != 2 or h_d.shape[1] != self.d_draft:
+            raise ValueError(f"h_draft must be [n, d_D={self.d_draft}], got {h_d.shape}")
+        n = h_d.shape[0]
+        if h_t.shape != (n, self.d_target):
+            raise ValueError(f"h_target must be [n={n}, d_T={self.d_target}], got {h_t.shape}")
+        if c.shape == (N_CHANNEL,):
+            c = np.broadcast_to(c, (n, N_CHANNEL))
+        elif c.shape != (n, N_CHANNEL):
+            raise ValueError(
+                f"channel_features must be [{N_CHANNEL}] or [n={n}, {N_CHANNEL}] "
+                f"({', '.join(CHANNEL_FEATURES)}), got {c.shape}"
+            )
+        if n == 0:
+            return np.zeros(0, np.float32)
+        x = np.ascontiguousarray(np.concatenate([h_d, h_t, c], axis=1))
+        return self._session.run(None, {self._input_name: x})[0].reshape(n)
+
+
+def make_judge(
+    head: OnnxHead, channel_getter: Callable[[], ChannelState]
+) -> Callable[[Any, list[int], torch.Tensor], torch.Tensor]:
+    """The ``judge`` for ``decoding.Verifier(judge=...)``.
+
+    ``judge(block, positions, target_hidden)`` returns the [len(positions)] float32 rejection
+    probabilities at the mismatch positions, from ``block.hidden[positions]`` ([K, d_D] numpy),
+    ``target_hidden[positions]`` ([K+1, d_T] torch; row i is the target hidden at draft position i)
+    and the channel that ``channel_getter()`` returns at call time. ``head`` is an
+    :class:`OnnxHead` or anything with the same ``reject_prob(h_draft, h_target, channel_features)``.
+
+    Raises (from the judge): ValueError when ``block.hidden`` is None (under SH the hiddens at the
+    mismatches must be uploaded first) or a position is out of range; TypeError when the getter
+    does not return a ChannelState.
+    """
+
+    def judge(block: Any, positions: list[int], target_hidden: torch.Tensor) -> torch.Tensor:
+        if block.hidden is None:
+            raise ValueError("the decision head needs the drafter hiddens at the mismatches (block.hidden is None)")
+        h_block = np.asarray(block.hidden)
+        idx = np.asarray(positions, dtype=np.int64).reshape(-1)
+        k = h_block.shape[0]
+        if idx.size and (idx.min() < 0 or idx.max() >= k or idx.max() >= target_hidden.shape[0]):
+            raise ValueError(
+                f"mismatch positions {idx.tolist()} out of range for {k} drafter hiddens and "
+                f"{target_hidden.shape[0]} target hiddens"
+            )
+        ch = channel_getter()
+        if not isinstance(ch, ChannelState):
+            raise TypeError(f"channel_getter must return a ChannelState, got {type(ch).__name__}")
+        h_t = target_hidden[torch.from_numpy(idx)].detach().to("cpu", torch.float32).numpy()
+        return torch.from_numpy(np.asarray(head.reject_prob(h_block[idx], h_t, ch.features()), dtype=np.float32))
+
+    return judge
