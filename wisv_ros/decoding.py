@@ -162,10 +162,16 @@ class Drafter:
             share one vocabulary).
         temperature: 0 drafts greedily; > 0 samples (rejection sampling needs the distributions).
         seed: seeds the drafter's sampling.
+        min_confidence: end the block early after a token whose drafter probability is below this
+            (0 = always draft K). Unsure tokens are rarely accepted, and each costs a drafter step.
     """
 
-    def __init__(self, lm: CausalLM, target_tokenizer=None, temperature: float = 0.0, seed: int = 0):
+    def __init__(self, lm: CausalLM, target_tokenizer=None, temperature: float = 0.0, seed: int = 0,
+                 min_confidence: float = 0.0):
+        if not 0.0 <= min_confidence < 1.0:
+            raise ValueError(f"min_confidence must be in [0, 1), got {min_confidence}")
         self.lm = lm
+        self.min_confidence = min_confidence
         self.target_tokenizer = target_tokenizer
         self.cross = target_tokenizer is not None and not same_vocabulary(lm.tokenizer, target_tokenizer)
         self.temperature = temperature
@@ -221,6 +227,10 @@ class Drafter:
             todo = [tok]
             if tok in self._eos:
                 break
+            if self.min_confidence > 0:
+                conf = float((p if p is not None else torch.softmax(step.logits[-1], -1))[tok])
+                if conf < self.min_confidence:
+                    break
             if self.cross:
                 # Enough drafter text when it re-tokenises into more than K target tokens: the first
                 # K of them are then complete.
@@ -376,11 +386,16 @@ def generate(
     on_commit: Callable[[list[int]], None] | None = None,
     stats: DecodeStats | None = None,
     chat: bool = True,
+    on_round: Callable[[DraftBlock, Verdict, int], None] | None = None,
+    stop_text: Callable[[str], bool] | None = None,
 ) -> Generation:
     """Speculative decoding in one process: rounds of draft K -> verify -> commit until done.
 
     chat: apply each model's chat template to a text prompt (False: plain completion, e.g. code).
     on_commit: called with the ids committed by each round (streaming).
+    on_round: called with (block, verdict, tokens generated before the round) after each round
+        (trace collection).
+    stop_text: ends generation after the round whose text makes it true (e.g. a final answer).
     """
     target_prompt = encode_prompt(verifier.lm.tokenizer, prompt, chat)
     drafter_prompt = encode_prompt(drafter.lm.tokenizer, prompt, chat) if drafter.cross else target_prompt
@@ -396,6 +411,8 @@ def generate(
         block = drafter.draft(k)
         verdict = verifier.verify(block)
         drafter.commit(verdict.committed_ids)
+        if on_round is not None:
+            on_round(block, verdict, len(out))
         new, done = _clip(verdict.committed_ids, len(out), max_new_tokens, eos)
         out.extend(new)
         stats.observe_round(
@@ -409,6 +426,8 @@ def generate(
         )
         if on_commit is not None and new:
             on_commit(new)
+        if stop_text is not None and not done:
+            done = stop_text(_decode(verifier.lm.tokenizer, out))
     stats.wall_s = time.perf_counter() - t_start
     return Generation(out, _decode(verifier.lm.tokenizer, out), stats)
 

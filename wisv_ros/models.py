@@ -10,7 +10,8 @@ A *model spec* is one of
 
 GGUF files are dequantised by transformers once and written to a conversion cache
 (``$WISV_CACHE`` or ``~/.cache/wisv_ros``) as float32 safetensors, which later loads in seconds.
-The cache key holds the GGUF file's size and modification time, so a changed file converts again.
+The cache key is the GGUF file's size and the hash of its first and last MiB, so a changed file
+converts again while the same weights in another venv (a fresh clone, CI) reuse the cache.
 
 No rclpy here: this module is part of the ROS-free core.
 """
@@ -140,19 +141,28 @@ REGISTRY: dict[str, ModelSource] = {
 
 
 def _gguf_key(path: Path) -> str:
-    st = path.stat()
-    return hashlib.sha256(f"{path.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    """Content key of a GGUF file: its size and the hash of its first and last MiB.
+
+    Independent of where the file lives, so a new venv (a fresh clone, CI) reuses the cache.
+    """
+    size = path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with path.open("rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(size - (1 << 20), 0))
+        h.update(f.read(1 << 20))
+    return h.hexdigest()[:16]
 
 
 def _convert_gguf(gguf: Path, out: Path) -> Path:
     """Dequantise a GGUF file once and store it as a float32 Hugging Face folder at ``out``."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     key = _gguf_key(gguf)
     stamp = out / "wisv_source.json"
     if stamp.is_file() and json.loads(stamp.read_text()).get("key") == key:
         return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     print(f"[wisv_ros] converting {gguf.name} to {out} (once; later loads take seconds)", flush=True)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -162,6 +172,7 @@ def _convert_gguf(gguf: Path, out: Path) -> Path:
         del model.config.quantization_config
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    tmp.chmod(0o755)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     (tmp / "wisv_source.json").write_text(json.dumps({"key": key, "gguf": str(gguf)}))

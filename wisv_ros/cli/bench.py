@@ -21,7 +21,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..datasets import load_gsm8k, load_humaneval
+from ..datasets import build_prompt, load_gsm8k, load_humaneval
 from ..decoding import Method, generate, generate_target_only
 from ..metrics import DecodeStats, format_table
 from .common import PeakRSS, add_model_args, check_args, load_pair, make_halves, set_threads
@@ -29,20 +29,20 @@ from .common import PeakRSS, add_model_args, check_args, load_pair, make_halves,
 COLUMNS = ["dataset", "method", "k", "prompts", "tokens", "rounds", "aal", "acceptance", "tokens_per_s", "speedup", "identical", "peak_rss_mb"]
 
 
-def dataset_prompts(name: str, limit: int) -> list[tuple[str, str, bool]]:
-    """(id, prompt, chat) triples. HumanEval stubs are completed as code; GSM8K questions are chat."""
-    if name == "humaneval":
-        return [(p.id, p.prompt, False) for p in load_humaneval(limit=limit)]
-    if name == "gsm8k":
-        suffix = "\nSolve step by step and end with 'The answer is N'."
-        return [(p.id, p.prompt + suffix, True) for p in load_gsm8k(limit=limit)]
-    raise SystemExit(f"error: --dataset must be humaneval or gsm8k (got '{name}')")
+def dataset_prompts(name: str, limit: int, offset: int = 0) -> list[tuple[str, str | list[dict], bool]]:
+    """(id, prompt, chat) triples: HumanEval stubs are completed as code, GSM8K questions are one
+    chat message asking for 'The answer is N' (``datasets.build_prompt``)."""
+    if name not in ("humaneval", "gsm8k"):
+        raise SystemExit(f"error: --dataset must be humaneval or gsm8k (got '{name}')")
+    problems = (load_humaneval() if name == "humaneval" else load_gsm8k())[offset:offset + limit]
+    return [(p.id, build_prompt(p, tokenizer_has_chat_template=True), name == "gsm8k") for p in problems]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m wisv_ros.cli.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--dataset", action="append", help="humaneval and/or gsm8k (repeatable; default both)")
     p.add_argument("--limit", type=int, default=5, help="prompts per data set (default %(default)s)")
+    p.add_argument("--offset", type=int, default=0, help="skip this many prompts of each data set (default %(default)s)")
     p.add_argument("--methods", default="target_only,greedy,reject", help="comma-separated methods (default %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=96, help="tokens per prompt (default %(default)s)")
     p.add_argument("--csv", default=None, help="CSV output path (default runs/bench-<time>.csv)")
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     for ds in datasets:
-        prompts = dataset_prompts(ds, args.limit)
+        prompts = dataset_prompts(ds, args.limit, args.offset)
         agg = {m: DecodeStats(method=str(m), k=0 if m == Method.TARGET_ONLY else args.k) for m in methods}
         peak = {m: 0.0 for m in methods}
         identical = {m: 0 for m in methods}
