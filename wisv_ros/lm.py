@@ -121,6 +121,8 @@ class CausalLM:
         """Keep the first ``n_keep`` cached tokens and forget the rest (the one rollback of the project)."""
         if not 0 <= n_keep <= len(self.cached):
             raise ValueError(f"rollback(n_keep={n_keep}) outside [0, {len(self.cached)}]")
+        if not self.cached:
+            return  # empty cache (some cache layers fail on crop before their first update)
         n_remove = len(self.cached) - n_keep
         if n_remove > self._max_rollback():
             # A sliding-window cache forgot the states needed to go back that far: rebuild.

@@ -1,0 +1,103 @@
+"""Mismatch traces and task-driven labels on a real cross-tokenizer pair (SmolLM2 -> Gemma-3-270M)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from wisv_ros import models
+from wisv_ros.datasets import generate_gsm_symbolic
+from wisv_ros.decoding import generate_target_only
+from wisv_ros.lm import CausalLM
+from wisv_ros.traces import _continue_batch, answer_complete, collect_traces, label_mismatches, load_traces
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return CausalLM(*models.load_model("gemma3-270m")), CausalLM(*models.load_model("smollm2-135m-instruct"))
+
+
+@pytest.mark.parametrize("text,done", [
+    ("so 3 + 4 = 7. The answer is 7. Done", True),
+    ("so 3 + 4 = 7. The answer is 7.", False),  # may still become 7.5
+    ("The answer is 1,250 dollars", True),
+    ("The answer is 12", False),  # the number may still go on
+    ("the answer is -3\n", True),
+    ("We add them up: 7", False),
+])
+def test_answer_complete(text, done):
+    assert answer_complete(text) is done
+
+
+def test_collect_and_label_resume(pair, tmp_path):
+    target, drafter = pair
+    problems = generate_gsm_symbolic(2, seed=7)
+    out = tmp_path / "traces"
+    w = collect_traces(drafter, target, problems, out, k=4, max_new_tokens=48)
+    assert w.done == {p.id for p in problems}
+    tr = load_traces(out)
+    assert len(tr.records) > 0
+    assert tr.h_draft.shape == (len(tr.records), drafter.hidden_size)
+    assert tr.h_target.shape == (len(tr.records), target.hidden_size)
+    for r in tr.records:
+        gen = tr.problems[r["problem_id"]]["generated_ids"]
+        # Greedy SD commits the target's token at the mismatch: the record agrees with the answer.
+        assert r["position"] < len(gen) and gen[r["position"]] == r["target_id"] != r["draft_id"]
+    # Resume: nothing is redone.
+    w2 = collect_traces(drafter, target, problems, out, k=4, max_new_tokens=48)
+    assert w2.n_records == len(tr.records)
+    with pytest.raises(ValueError, match="k is 4"):
+        collect_traces(drafter, target, problems, out, k=6, max_new_tokens=48)
+
+    # Label: without a final answer in 48 tokens the problem is unlabelable; give every problem an
+    # answer so that the substitution decides the label, then label in two resumable steps.
+    lines = [json.loads(line) for line in (out / "problems.jsonl").read_text().splitlines()]
+    for p in lines:
+        p["answer"] = p["answer"] or "424242"
+    (out / "problems.jsonl").write_text("".join(json.dumps(p) + "\n" for p in lines))
+    first = label_mismatches(target, out, batch_size=2, max_new_tokens=12, limit=1)
+    assert first["labelled"] == 1
+    rest = label_mismatches(target, out, batch_size=2, max_new_tokens=12)
+    assert rest["labelled"] == len(tr.records) - 1
+    labels = load_traces(out).labels
+    assert set(np.unique(labels)) <= {0, 1} and (labels >= 0).all()
+
+
+def test_batched_continuations_match_single(pair):
+    target, _ = pair
+    tok = target.tokenizer
+    contexts = [tok("The capital of France is").input_ids, tok("Counting: one, two, three, four,").input_ids]
+    batch = _continue_batch(target, contexts, 8, lambda text: False)
+    for ctx, got in zip(contexts, batch):
+        ref = generate_target_only(target, ctx, 8)
+        assert got == ref.token_ids
+
+
+def test_train_head_cli_on_synthetic_traces(tmp_path):
+    """traces folder -> relabel -> train -> ONNX with sidecar, loadable by the verifier's runtime."""
+    from wisv_ros.cli.train_head import main as train_main
+    from wisv_ros.head import OnnxHead, sidecar_path
+    from wisv_ros.traces import TraceWriter
+
+    rng = np.random.default_rng(0)
+    d_d, d_t = 6, 10
+    w = TraceWriter(tmp_path / "tr", {"drafter": "d", "target": "t", "k": 8, "d_draft": d_d, "d_target": d_t})
+    labels = []
+    for p in range(12):
+        n = 5
+        recs = [{"round_id": r, "position": 3 * r, "block_index": 0, "draft_id": 1, "target_id": 2} for r in range(n)]
+        hd = [rng.normal(size=d_d).astype(np.float32) for _ in range(n)]
+        ht = [rng.normal(size=d_t).astype(np.float32) for _ in range(n)]
+        w.add_problem(f"p{p}", "1", [0], list(range(20)), n, recs, hd, ht)
+        labels += [(f"p{p}:{r}", int(hd[r][0] > 0)) for r in range(n)]
+    with (tmp_path / "tr" / "labels.jsonl").open("w") as f:
+        for uid, lab in labels:
+            f.write(json.dumps({"uid": uid, "label": lab, "answer": None, "new_tokens": 0}) + "\n")
+    out = tmp_path / "head.onnx"
+    assert train_main(["--traces", str(tmp_path / "tr"), "--out", str(out), "--epochs", "3", "--channels", "4"]) == 0
+    meta = json.loads(sidecar_path(out).read_text())
+    assert meta["csi_relabeling"] is True and "--epochs 3" in meta["command"]
+    head = OnnxHead(out)
+    p = head.reject_prob(np.zeros((2, d_d), np.float32), np.zeros((2, d_t), np.float32), np.zeros(3, np.float32))
+    assert p.shape == (2,) and ((p >= 0) & (p <= 1)).all()

@@ -1,0 +1,71 @@
+"""Mismatch traces and task-driven labels for training the WISV decision head (resumable).
+
+    python -m wisv_ros.cli.traces collect --out runs/traces/default --problems 200 --seed 0
+    python -m wisv_ros.cli.traces label --out runs/traces/default --batch-size 8
+    python -m wisv_ros.cli.traces summary --out runs/traces/default
+
+collect: greedy SD over gsm_symbolic problems (generated offline; never the GSM8K test problems),
+records the first mismatch of every round (hidden states, position, tokens). label: substitutes the
+draft token, lets the target finish greedily in batches, and marks the mismatch critical when the
+final answer changes. Both append to the folder and skip what is already done, so an interrupted
+run continues where it stopped. The format is described in ``wisv_ros/traces.py``.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ..datasets import generate_gsm_symbolic
+from ..traces import collect_traces, label_mismatches, load_traces
+from .common import add_model_args, check_args, load_pair, set_threads
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m wisv_ros.cli.traces", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    col = sub.add_parser("collect", help="run greedy SD on gsm_symbolic problems and record mismatches")
+    col.add_argument("--out", required=True, help="trace folder (created; resumed if it exists)")
+    col.add_argument("--problems", type=int, default=200, help="gsm_symbolic problems (default %(default)s)")
+    col.add_argument("--max-new-tokens", type=int, default=320, help="answer length limit (default %(default)s)")
+    lab = sub.add_parser("label", help="label the recorded mismatches by substituted continuations")
+    lab.add_argument("--out", required=True, help="trace folder")
+    lab.add_argument("--batch-size", type=int, default=8, help="continuations per batched target pass (default %(default)s)")
+    lab.add_argument("--limit", type=int, default=None, help="label at most this many now")
+    lab.add_argument("--max-new-tokens", type=int, default=256, help="continuation length limit (default %(default)s)")
+    summ = sub.add_parser("summary", help="counts of a trace folder")
+    summ.add_argument("--out", required=True, help="trace folder")
+    for sp in (col, lab):
+        add_model_args(sp)
+    args = p.parse_args(argv)
+
+    if args.cmd == "summary":
+        tr = load_traces(Path(args.out))
+        labelled = tr.labels >= 0
+        print(f"problems {len(tr.problems)}  mismatches {len(tr.records)}  labelled {int(labelled.sum())}  "
+              f"critical {int((tr.labels == 1).sum())}  hidden {tr.h_draft.shape[1]}+{tr.h_target.shape[1]}")
+        return 0
+    check_args(args)
+    set_threads(args.threads)
+    if args.cmd == "collect":
+        if args.problems < 1:
+            p.error(f"--problems must be >= 1 (got {args.problems})")
+        problems = generate_gsm_symbolic(args.problems, seed=args.seed)
+        target, drafter = load_pair(args)
+        w = collect_traces(drafter, target, problems, Path(args.out), args.k, args.max_new_tokens,
+                           progress=lambda it: tqdm(it, desc="traces", unit="problem", file=sys.stderr))
+        print(f"{len(w.done)} problems, {w.n_records} mismatches in {args.out}")
+        return 0
+    if args.batch_size < 1:
+        p.error(f"--batch-size must be >= 1 (got {args.batch_size})")
+    target, _ = load_pair(args, need_drafter=False)
+    res = label_mismatches(target, Path(args.out), batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                           limit=args.limit, progress=lambda total: tqdm(total=total, desc="labels", unit="label", file=sys.stderr))
+    print(f"labelled {res['labelled']} ({res['critical']} critical) in {res['seconds']} s: {res['labels_per_hour']} labels/hour")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
