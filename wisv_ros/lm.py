@@ -176,11 +176,13 @@ class CausalLM:
         norm.register_forward_pre_hook(pre_hook)
 
     @torch.inference_mode()
-    def feed(self, ids: Sequence[int], n_logits: int = 1) -> Step:
+    def feed(self, ids: Sequence[int], n_logits: int = 1, attention_mask: torch.Tensor | None = None,
+             position_ids: torch.Tensor | None = None) -> Step:
         """Append ``ids`` to the cache in one forward pass.
 
         Returns logits [n_logits, V] for the last ``n_logits`` positions and hidden states of every
-        fed position.
+        fed position. ``attention_mask`` [1, 1, n, cached + n] (bool, True = attend) and
+        ``position_ids`` [1, n] replace the causal mask and positions (tree verification).
         """
         if not ids:
             raise ValueError("feed() needs at least one token id")
@@ -192,6 +194,8 @@ class CausalLM:
             past_key_values=self.cache,
             use_cache=True,
             logits_to_keep=n_logits,
+            **({"attention_mask": attention_mask} if attention_mask is not None else {}),
+            **({"position_ids": position_ids} if position_ids is not None else {}),
         )
         self.cache = out.past_key_values
         self.cached.extend(int(i) for i in ids)

@@ -1,0 +1,71 @@
+"""Copy drafting: candidate search and the one-pass tree verification."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from wisv_ros.copying import copy_candidates, verify_tree
+from wisv_ros.lm import CausalLM
+from wisv_ros.models import load_model
+
+
+def test_candidates_most_recent_first_and_distinct():
+    ctx = [7, 1, 2, 3, 4, 9, 1, 2, 5, 6, 0, 1, 2]
+    assert copy_candidates(ctx, kappa=2, width=4, depth=3) == [[5, 6, 0], [3, 4, 9]]
+    assert copy_candidates(ctx, kappa=2, width=1, depth=2) == [[5, 6]]
+    assert copy_candidates(ctx, kappa=3, width=4, depth=3) == []  # (0, 1, 2) never occurred before
+    assert copy_candidates([1, 2, 1, 2, 1, 2], kappa=2, width=4, depth=4) == [[1, 2], [1, 2, 1, 2]]
+    with pytest.raises(ValueError, match="kappa"):
+        copy_candidates(ctx, kappa=0)
+
+
+def _single(lm: CausalLM, context, cand):
+    """Greedy acceptance of one candidate verified on its own."""
+    lm.reset()
+    step = lm.feed(list(context) + list(cand), n_logits=len(cand) + 1)
+    arg = step.logits.argmax(-1).tolist()
+    n = 0
+    while n < len(cand) and arg[n] == cand[n]:
+        n += 1
+    return n, arg[n]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tree_pass_equals_separate_verification(seed):
+    lm = CausalLM(load_model("tiny-random:0:16")[0])
+    gen = torch.Generator().manual_seed(seed)
+    context = torch.randint(0, 16, (12,), generator=gen).tolist()
+    # Candidates: the target's own greedy continuation (long acceptance), perturbed copies, noise.
+    lm.reset()
+    greedy = []
+    todo = list(context)
+    for _ in range(6):
+        t = int(lm.feed(todo, 1).logits[-1].argmax())
+        greedy.append(t)
+        todo = [t]
+    cands = [greedy[:3] + [(greedy[3] + 1) % 16] + greedy[4:], torch.randint(0, 16, (5,), generator=gen).tolist(),
+             greedy[:5], greedy[:1] + [(greedy[1] + 3) % 16]]
+    expected = [_single(lm, context, c) for c in cands]
+    fresh = CausalLM(load_model("tiny-random:0:16")[0])
+    fresh.feed(context[:5], 1)  # a partly filled cache, as in a running request
+    res = verify_tree(fresh, context, cands)
+    assert res.accepted_per_candidate == [n for n, _ in expected]
+    best = max(range(len(cands)), key=lambda i: (expected[i][0], -i))
+    assert res.accepted == cands[best][: expected[best][0]]
+    assert res.next_id == expected[best][1]
+    assert fresh.cached == context  # rolled back to the context
+    assert res.accepted_per_candidate[2] == 5  # the target's own continuation is accepted whole
+
+
+def test_tree_pass_on_a_real_model_copies_a_repeated_span():
+    model, tok = load_model("smollm2-135m-instruct")
+    lm = CausalLM(model, tok)
+    text = ("def area(width, height):\n    return width * height\n\n\n"
+            "def area_checked(width, height):\n    assert width >= 0\n    return width")
+    context = tok(text).input_ids
+    cands = copy_candidates(context, kappa=3, width=3, depth=8)
+    assert cands, "the suffix '    return width' occurs earlier in the context"
+    expected = [_single(lm, context, c)[0] for c in cands]
+    res = verify_tree(lm, context, cands)
+    assert res.accepted_per_candidate == expected
+    assert max(expected) >= 2  # the model really continues by copying

@@ -1,0 +1,113 @@
+"""SwitchSD copy drafting: candidates copied out of the context, verified in one tree pass.
+
+When the model is about to repeat a span of its context (code edits, quoting), the cheapest draft
+is the context itself. ``copy_candidates`` finds the earlier occurrences of the last ``kappa``
+tokens (a kappa-gram suffix match) and proposes the ``depth`` tokens that followed each, most
+recent first, up to ``width`` distinct candidates. ``verify_tree`` checks all candidates in ONE
+target forward pass with a block-triangular attention mask -- each candidate sees the committed
+prefix and its own earlier tokens only -- and keeps the candidate with the longest greedy-accepted
+run. The result is the same as verifying each candidate on its own (tested).
+
+Example (kappa = 2, depth = 3)::
+
+    context = [7, 1, 2, 3, 4, 9, 1, 2]          # the suffix (1, 2) occurred at index 1
+    copy_candidates(context, kappa=2, width=2, depth=3) == [[3, 4, 9]]
+
+No rclpy here: this module is part of the ROS-free core.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+
+from .lm import CausalLM
+
+__all__ = ["CopyResult", "copy_candidates", "verify_tree"]
+
+
+def copy_candidates(context: Sequence[int], kappa: int = 5, width: int = 4, depth: int = 16) -> list[list[int]]:
+    """Continuations of earlier occurrences of the context's last ``kappa`` tokens, most recent first.
+
+    Returns at most ``width`` distinct, non-empty candidates of at most ``depth`` tokens each; an
+    empty list when the suffix did not occur before (then the neural drafter is used).
+    """
+    if kappa < 1 or width < 1 or depth < 1:
+        raise ValueError(f"kappa, width and depth must be >= 1 (got {kappa}, {width}, {depth})")
+    n = len(context)
+    if n <= kappa:
+        return []
+    suffix = list(context[n - kappa:])
+    out: list[list[int]] = []
+    seen: set[tuple[int, ...]] = set()
+    # An occurrence ending at index end-1 (end < n) is followed by context[end:end + depth].
+    for end in range(n - 1, kappa - 1, -1):
+        if list(context[end - kappa:end]) != suffix:
+            continue
+        cand = list(context[end:end + depth])
+        key = tuple(cand)
+        if cand and key not in seen:
+            seen.add(key)
+            out.append(cand)
+            if len(out) == width:
+                break
+    return out
+
+
+@dataclasses.dataclass
+class CopyResult:
+    candidate: int  # index of the kept candidate (-1: none accepted anything)
+    accepted: list[int]  # accepted copied tokens of the kept candidate
+    next_id: int  # the target's token after them (correction or bonus)
+    accepted_per_candidate: list[int]
+
+
+def verify_tree(lm: CausalLM, context: Sequence[int], candidates: Sequence[Sequence[int]]) -> CopyResult:
+    """Verify all candidates in one target pass; keep the longest greedy-accepted run.
+
+    The cache is rolled back to ``context`` afterwards (accepted tokens are fed with the next pass).
+    """
+    if not candidates:
+        raise ValueError("verify_tree needs at least one candidate")
+    pending = lm.sync(context)
+    base = len(lm.cached)  # tokens in the cache before this pass
+    n_pend = len(pending)
+    flat: list[int] = list(pending)
+    pos: list[int] = list(range(base, base + n_pend))
+    spans: list[tuple[int, int]] = []
+    for cand in candidates:
+        start = len(flat)
+        flat.extend(cand)
+        pos.extend(range(base + n_pend, base + n_pend + len(cand)))
+        spans.append((start, len(flat)))
+    q = len(flat)
+    # allowed[i, j]: query i may attend to key j (keys: cache then this pass's tokens).
+    allowed = torch.zeros((q, base + q), dtype=torch.bool)
+    allowed[:, :base] = True
+    for i in range(n_pend):
+        allowed[i, base:base + i + 1] = True
+    for start, end in spans:
+        allowed[start:end, base:base + n_pend] = True
+        for i in range(start, end):
+            allowed[i, base + start:base + i + 1] = True
+    step = lm.feed(flat, n_logits=q, attention_mask=allowed[None, None], position_ids=torch.tensor([pos]))
+    argmax = step.logits.argmax(dim=-1).tolist()  # row i predicts the token after flat[i]
+    lm.rollback(len(context))
+    best, best_n, per = -1, -1, []
+    for c, ((start, end), cand) in enumerate(zip(spans, candidates)):
+        prev = n_pend - 1  # the row predicting the candidate's first token
+        n = 0
+        for i, tok in enumerate(cand):
+            if argmax[prev] != tok:
+                break
+            n += 1
+            prev = start + i
+        per.append(n)
+        if n > best_n:
+            best, best_n = c, n
+    start, _ = spans[best]
+    accepted = list(candidates[best][:best_n])
+    next_row = n_pend - 1 if best_n == 0 else start + best_n - 1
+    return CopyResult(candidate=best if best_n > 0 else -1, accepted=accepted, next_id=int(argmax[next_row]),
+                      accepted_per_candidate=per)
