@@ -69,3 +69,42 @@ def test_tree_pass_on_a_real_model_copies_a_repeated_span():
     res = verify_tree(lm, context, cands)
     assert res.accepted_per_candidate == expected
     assert max(expected) >= 2  # the model really continues by copying
+
+
+def test_copy_mode_is_lossless_and_copies():
+    """n-gram copy mode (no probe) on a repetitive tiny-model sequence: output equals target greedy."""
+    from wisv_ros.decoding import CopyConfig, Drafter, Verifier, generate, generate_target_only
+
+    target = CausalLM(load_model("tiny-random:0:16")[0])
+    drafter = CausalLM(load_model("tiny-random:0:16:0.05")[0])
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6] * 3  # repeats: copy candidates exist from the start
+    ref = generate_target_only(target, prompt, 60)
+    out = generate(Drafter(drafter), Verifier(target, copy=CopyConfig(kappa=3)), prompt, 60, 4)
+    assert out.token_ids == ref.token_ids
+    s = out.stats
+    assert s.copy_rounds > 0 and s.copy_rounds < s.rounds
+    assert s.as_row()["copy_rate"] == round(s.copy_rounds / s.rounds, 3)
+
+
+def test_probe_gate_controls_copy_mode():
+    from wisv_ros.decoding import CopyConfig, Drafter, Verifier, generate, generate_target_only
+
+    model, _ = load_model("tiny-random:0:16")
+    target = CausalLM(model, capture=[(1, "post_attn")])
+    drafter = CausalLM(load_model("tiny-random:0:16:0.05")[0])
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6] * 3
+    seen = []
+
+    def never(row):
+        seen.append(row.shape)
+        return False
+
+    out = generate(Drafter(drafter), Verifier(target, copy=CopyConfig(gate=never, layer=(1, "post_attn"), kappa=3)),
+                   prompt, 30, 4)
+    assert out.stats.copy_rounds == 0 and seen and seen[0] == (32,)  # consulted with the layer's row
+    always = generate(Drafter(drafter), Verifier(target, copy=CopyConfig(gate=lambda r: True, layer=(1, "post_attn"),
+                                                                      kappa=3)), prompt, 30, 4)
+    assert always.stats.copy_rounds > 0
+    assert always.token_ids == out.token_ids == generate_target_only(target, prompt, 30).token_ids
+    with pytest.raises(ValueError, match="capture layer"):
+        Verifier(CausalLM(load_model("tiny-random:0:16")[0]), copy=CopyConfig(gate=never, layer=(1, "post_attn")))

@@ -61,6 +61,7 @@ class CopyResult:
     accepted: list[int]  # accepted copied tokens of the kept candidate
     next_id: int  # the target's token after them (correction or bonus)
     accepted_per_candidate: list[int]
+    layers: dict[tuple[int, str], torch.Tensor]  # captured layers at the last accepted position [d]
 
 
 def verify_tree(lm: CausalLM, context: Sequence[int], candidates: Sequence[Sequence[int]]) -> CopyResult:
@@ -110,4 +111,4 @@ def verify_tree(lm: CausalLM, context: Sequence[int], candidates: Sequence[Seque
     accepted = list(candidates[best][:best_n])
     next_row = n_pend - 1 if best_n == 0 else start + best_n - 1
     return CopyResult(candidate=best if best_n > 0 else -1, accepted=accepted, next_id=int(argmax[next_row]),
-                      accepted_per_candidate=per)
+                      accepted_per_candidate=per, layers={k: v[next_row] for k, v in step.layers.items()})

@@ -29,10 +29,12 @@ import numpy as np
 import torch
 
 from .acceptance import greedy_accept, judged_accept, mismatch_positions, rejection_accept, softmax_t
+from .copying import copy_candidates, verify_tree
 from .lm import CausalLM
 from .metrics import DecodeStats
 
 __all__ = [
+    "CopyConfig",
     "DraftBlock",
     "Drafter",
     "Generation",
@@ -84,6 +86,23 @@ class DraftBlock:
 
 
 @dataclasses.dataclass
+class CopyConfig:
+    """SwitchSD copy mode on the edge: draft from the context, no round trip to the robot.
+
+    gate:  the copy probe, (hidden row of ``layer`` at the last committed position) -> fires;
+           None = the probe-less n-gram baseline (copy whenever the kappa-gram suffix matched).
+    layer: (layer, kind) the target captures for the gate (the verifier's CausalLM must capture it).
+    kappa, width, depth: suffix length to match, candidates per round (W), tokens per candidate (D).
+    """
+
+    gate: Callable[[np.ndarray], bool] | None = None
+    layer: tuple[int, str] | None = None
+    kappa: int = 5
+    width: int = 4
+    depth: int = 16
+
+
+@dataclasses.dataclass
 class Verdict:
     """What the edge sends down each round."""
 
@@ -94,6 +113,7 @@ class Verdict:
     target_time_s: float = 0.0
     head_time_s: float = 0.0
     target_hidden: torch.Tensor | None = None  # [K+1, d_target] at the verified positions
+    copy_mode: bool = False  # the round copied from the context (no drafter block)
 
 
 def same_vocabulary(drafter_tok, target_tok) -> bool:
@@ -285,6 +305,8 @@ class Verifier:
         tau: WISV threshold (rejection probability >= tau rejects); 0 = greedy, > 1 accepts all.
         judge: WISV decision head: (block, positions S, target hidden [K+1, d]) -> [|S|] rejection
             probabilities. Called only at mismatch positions.
+        copy: SwitchSD copy mode (``copy_round``); its rounds use greedy acceptance, so it goes
+            with GREEDY and WISV, not REJECT.
         seed: seeds REJECT sampling. The verifier's stream is derived from the seed so that it
             never equals the drafter's stream for the same seed (equal streams would correlate the
             acceptance test with the draft and bias the output distribution).
@@ -298,12 +320,19 @@ class Verifier:
         tau: float = 0.0,
         judge: Callable[[DraftBlock, list[int], torch.Tensor], torch.Tensor] | None = None,
         seed: int = 0,
+        copy: CopyConfig | None = None,
     ):
         if method == Method.TARGET_ONLY:
             raise ValueError("method target_only has no verifier; use generate_target_only()")
         if method == Method.REJECT and temperature <= 0:
             raise ValueError(f"method reject samples: temperature must be > 0, got {temperature}")
+        if copy is not None and method == Method.REJECT:
+            raise ValueError("copy mode verifies greedily; it goes with methods greedy and wisv, not reject")
+        if copy is not None and copy.gate is not None and (copy.layer is None or copy.layer not in lm.capture):
+            raise ValueError(f"copy gate needs the target to capture layer {copy.layer}; build CausalLM(capture=[...])")
         self.lm = lm
+        self.copy = copy
+        self._probe_row: np.ndarray | None = None  # copy-gate layer at the last committed position
         self.method = Method(method)
         self.temperature = temperature
         self.tau = tau
@@ -338,6 +367,8 @@ class Verifier:
         else:
             decision = greedy_accept(draft, logits)
         t2 = time.perf_counter()
+        if self.copy is not None and self.copy.layer is not None:
+            self._probe_row = step.layers[self.copy.layer][len(todo) - 1 + decision.n_accepted].numpy()
         committed = draft[: decision.n_accepted] + [decision.next_id]
         self.lm.rollback(len(self.context) + decision.n_accepted)
         self.context.extend(committed)
@@ -350,6 +381,27 @@ class Verifier:
             head_time_s=t2 - t1,
             target_hidden=target_hidden,
         )
+
+
+    def copy_round(self) -> Verdict | None:
+        """A copy round if copy mode holds: the probe fires (or no probe: n-gram baseline) and the
+        context's last kappa tokens occurred before. None: the robot's drafter drafts this round."""
+        cfg = self.copy
+        if cfg is None:
+            return None
+        candidates = copy_candidates(self.context, cfg.kappa, cfg.width, cfg.depth)
+        if not candidates:
+            return None
+        if cfg.gate is not None and (self._probe_row is None or not cfg.gate(self._probe_row)):
+            return None
+        t0 = time.perf_counter()
+        res = verify_tree(self.lm, self.context, candidates)
+        if cfg.layer is not None:
+            self._probe_row = res.layers[cfg.layer].numpy()
+        committed = res.accepted + [res.next_id]
+        self.context.extend(committed)
+        return Verdict(accepted_count=len(res.accepted), correction_id=res.next_id, committed_ids=committed,
+                       mismatches=[], target_time_s=time.perf_counter() - t0, copy_mode=True)
 
 
 @dataclasses.dataclass
@@ -408,22 +460,29 @@ def generate(
     t_start = time.perf_counter()
     done = max_new_tokens <= 0
     while not done:
-        block = drafter.draft(k)
-        verdict = verifier.verify(block)
-        drafter.commit(verdict.committed_ids)
-        if on_round is not None:
-            on_round(block, verdict, len(out))
-        new, done = _clip(verdict.committed_ids, len(out), max_new_tokens, eos)
-        out.extend(new)
-        stats.observe_round(
-            drafted=len(block.token_ids),
-            accepted=verdict.accepted_count,
-            committed=len(new),
-            mismatches=len(verdict.mismatches),
-            draft_s=block.drafter_time_s,
-            target_s=verdict.target_time_s,
-            head_s=verdict.head_time_s,
-        )
+        verdict = verifier.copy_round()
+        if verdict is not None:  # copied on the edge: the drafter catches up on its next pass
+            drafter.commit(verdict.committed_ids)
+            new, done = _clip(verdict.committed_ids, len(out), max_new_tokens, eos)
+            out.extend(new)
+            stats.observe_copy_round(accepted=verdict.accepted_count, committed=len(new), target_s=verdict.target_time_s)
+        else:
+            block = drafter.draft(k)
+            verdict = verifier.verify(block)
+            drafter.commit(verdict.committed_ids)
+            if on_round is not None:
+                on_round(block, verdict, len(out))
+            new, done = _clip(verdict.committed_ids, len(out), max_new_tokens, eos)
+            out.extend(new)
+            stats.observe_round(
+                drafted=len(block.token_ids),
+                accepted=verdict.accepted_count,
+                committed=len(new),
+                mismatches=len(verdict.mismatches),
+                draft_s=block.drafter_time_s,
+                target_s=verdict.target_time_s,
+                head_s=verdict.head_time_s,
+            )
         if on_commit is not None and new:
             on_commit(new)
         if stop_text is not None and not done:

@@ -59,9 +59,10 @@ class CausalLM:
         self.forward_passes = 0
         self._captured: dict[tuple[int, str], torch.Tensor] = {}
         self._last_hidden: torch.Tensor | None = None
+        self.capture = tuple(capture)
         base = model.model
         base.norm.register_forward_hook(self._hook_last_hidden)
-        for layer, kind in capture:
+        for layer, kind in self.capture:
             self._register_capture(base, layer, kind)
         self._new_cache()
 

@@ -48,6 +48,9 @@ class DecodeStats:
     wall_s: float = 0.0
     uplink_bytes: dict[str, int] = dataclasses.field(default_factory=lambda: {p.value: 0 for p in Protocol})
     downlink_bytes: dict[str, int] = dataclasses.field(default_factory=lambda: {p.value: 0 for p in Protocol})
+    copy_rounds: int = 0  # rounds drafted from the context on the edge (SwitchSD)
+    copy_accepted: int = 0  # copied tokens accepted in those rounds
+    copy_empty: int = 0  # copy rounds that accepted nothing (the "speculation tax")
     accepted_at: list[int] = dataclasses.field(default_factory=list)  # rounds accepting draft position i
     drafted_at: list[int] = dataclasses.field(default_factory=list)  # rounds drafting position i
 
@@ -96,6 +99,18 @@ class DecodeStats:
         for proto in Protocol:
             self.downlink_bytes[proto.value] += down + (sh.request_down if proto == Protocol.SH else 0)
 
+    def observe_copy_round(self, accepted: int, committed: int, target_s: float) -> None:
+        """Record a copy round: the edge drafted from the context, so nothing goes up the link."""
+        self.rounds += 1
+        self.committed += committed
+        self.target_s += target_s
+        self.copy_rounds += 1
+        self.copy_accepted += accepted
+        self.copy_empty += accepted == 0
+        down = downlink_bytes_verdict(self.wire_format(), accepted + 1)
+        for proto in Protocol:
+            self.downlink_bytes[proto.value] += down
+
     @property
     def aal(self) -> float:
         return self.committed / self.rounds if self.rounds else 0.0
@@ -129,11 +144,15 @@ class DecodeStats:
         for proto in Protocol:
             row[f"up_bytes_{proto.value}"] = self.uplink_bytes[proto.value]
         row["down_bytes"] = self.downlink_bytes[Protocol.IDS.value]
+        row["copy_rate"] = round(self.copy_rounds / self.rounds, 3) if self.rounds else 0.0
+        row["copy_aal"] = round(self.copy_accepted / self.copy_rounds, 3) if self.copy_rounds else 0.0
+        row["copy_empty"] = round(self.copy_empty / self.copy_rounds, 3) if self.copy_rounds else 0.0
         return row
 
     def merge(self, other: "DecodeStats") -> None:
         """Add another request's counts (same method and K) into this one."""
-        for name in ("rounds", "committed", "drafted", "accepted", "mismatches", "draft_s", "target_s", "head_s", "comm_s", "wall_s"):
+        for name in ("rounds", "committed", "drafted", "accepted", "mismatches", "draft_s", "target_s", "head_s", "comm_s",
+                     "wall_s", "copy_rounds", "copy_accepted", "copy_empty"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for proto in Protocol:
             self.uplink_bytes[proto.value] += other.uplink_bytes[proto.value]

@@ -7,7 +7,7 @@ import sys
 import threading
 import time
 
-from ..decoding import Drafter, Method, Verifier
+from ..decoding import CopyConfig, Drafter, Method, Verifier
 from ..lm import CausalLM
 from ..models import DEFAULT_DRAFTER, DEFAULT_TARGET, REGISTRY, load_model
 
@@ -21,6 +21,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="drafter ends a block after a token it is less sure of than this (0 = always K; default %(default)s)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of method reject (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of sampling methods (default %(default)s)")
+    p.add_argument("--copy", default="off", choices=["off", "ngram"],
+                   help="SwitchSD copy mode on the edge: off, or ngram (probe-less baseline: copy whenever the "
+                        "last --kappa tokens occurred before) (default %(default)s)")
+    p.add_argument("--kappa", type=int, default=5, help="copy mode: suffix tokens to match (default %(default)s)")
+    p.add_argument("--copy-width", type=int, default=4, help="copy mode: candidates per round, W (default %(default)s)")
+    p.add_argument("--copy-depth", type=int, default=16, help="copy mode: tokens per candidate, D (default %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     p.add_argument("--target-dtype", default="bfloat16", help="target weights dtype: float32 or bfloat16 (default %(default)s; "
                    "on CPUs with AMX/AVX512-BF16 a bfloat16 block of K+1 tokens costs about one token)")
@@ -30,6 +36,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def check_args(args: argparse.Namespace) -> None:
     if args.k < 1:
         sys.exit(f"error: --k must be >= 1 (got {args.k})")
+    for name in ("kappa", "copy_width", "copy_depth"):
+        if getattr(args, name) < 1:
+            sys.exit(f"error: --{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
     if not 0 <= args.min_confidence < 1:
         sys.exit(f"error: --min-confidence must be in [0, 1) (got {args.min_confidence})")
     if args.temperature <= 0:
@@ -62,7 +71,10 @@ def make_halves(method: Method, target: CausalLM, drafter: CausalLM, args: argpa
             f"error: method reject needs one vocabulary, but drafter '{args.drafter}' and target '{args.target}' "
             "have different tokenizers; use method greedy or wisv, or a same-tokenizer pair"
         )
-    v = Verifier(target, method, temperature=args.temperature, seed=args.seed)
+    copy = None
+    if getattr(args, "copy", "off") == "ngram":
+        copy = CopyConfig(gate=None, kappa=args.kappa, width=args.copy_width, depth=args.copy_depth)
+    v = Verifier(target, method, temperature=args.temperature, seed=args.seed, copy=copy)
     return d, v
 
 
