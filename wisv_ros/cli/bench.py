@@ -53,8 +53,6 @@ def main(argv: list[str] | None = None) -> int:
         methods = [Method.parse(m.strip()) for m in args.methods.split(",") if m.strip()]
     except ValueError as exc:
         p.error(f"--methods: {exc}")
-    if Method.WISV in methods:
-        p.error("--methods: wisv needs a trained decision head, which this tool does not load yet")
     if args.limit < 1:
         p.error(f"--limit must be >= 1 (got {args.limit})")
     set_threads(args.threads)

@@ -27,6 +27,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kappa", type=int, default=5, help="copy mode: suffix tokens to match (default %(default)s)")
     p.add_argument("--copy-width", type=int, default=4, help="copy mode: candidates per round, W (default %(default)s)")
     p.add_argument("--copy-depth", type=int, default=16, help="copy mode: tokens per candidate, D (default %(default)s)")
+    p.add_argument("--head", default=None, help="method wisv: decision head ONNX file (from python -m wisv_ros.cli.train_head)")
+    p.add_argument("--tau", type=float, default=0.5,
+                   help="method wisv: reject a mismatch when the head's rejection probability >= tau "
+                        "(0 = greedy SD, > 1 accepts every draft; default %(default)s)")
+    p.add_argument("--channel", default="20mbps_50ms",
+                   help="method wisv, in-process runs: channel scenario fed to the head (default %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     p.add_argument("--target-dtype", default="bfloat16", help="target weights dtype: float32 or bfloat16 (default %(default)s; "
                    "on CPUs with AMX/AVX512-BF16 a bfloat16 block of K+1 tokens costs about one token)")
@@ -36,6 +42,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def check_args(args: argparse.Namespace) -> None:
     if args.k < 1:
         sys.exit(f"error: --k must be >= 1 (got {args.k})")
+    wants_wisv = "wisv" in str(getattr(args, "method", "")) or "wisv" in str(getattr(args, "methods", ""))
+    if wants_wisv and not args.head:
+        sys.exit("error: method wisv needs --head <decision head .onnx> (train one with python -m wisv_ros.cli.train_head)")
+    if args.head and not os.path.isfile(args.head):
+        sys.exit(f"error: --head {args.head}: no such file")
     for name in ("kappa", "copy_width", "copy_depth"):
         if getattr(args, name) < 1:
             sys.exit(f"error: --{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
@@ -74,7 +85,17 @@ def make_halves(method: Method, target: CausalLM, drafter: CausalLM, args: argpa
     copy = None
     if getattr(args, "copy", "off") == "ngram":
         copy = CopyConfig(gate=None, kappa=args.kappa, width=args.copy_width, depth=args.copy_depth)
-    v = Verifier(target, method, temperature=args.temperature, seed=args.seed, copy=copy)
+    judge = None
+    if method == Method.WISV:
+        if not getattr(args, "head", None):
+            raise SystemExit("error: method wisv needs --head <decision head .onnx> (train one with python -m wisv_ros.cli.train_head)")
+        from ..head import OnnxHead, make_judge
+        from ..link import scenario
+
+        channel = scenario(args.channel)
+        judge = make_judge(OnnxHead(args.head), lambda: channel)
+    v = Verifier(target, method, temperature=args.temperature, seed=args.seed, copy=copy,
+                 tau=getattr(args, "tau", 0.0), judge=judge)
     return d, v
 
 

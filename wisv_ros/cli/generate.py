@@ -47,8 +47,6 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--method: {exc}")
     if args.max_new_tokens < 1:
         p.error(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
-    if method == Method.WISV:
-        p.error("--method wisv needs a trained decision head, which this tool does not load yet; use greedy or reject")
     set_threads(args.threads)
     prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
     chat = not args.no_chat and args.prompt is not None
