@@ -1,0 +1,174 @@
+"""SwitchSD copy probe: collect labelled hidden states from the target, train per-layer probes.
+
+    python -m wisv_ros.cli.probe collect --out runs/probe/default --prompts 400 --seed 0
+    python -m wisv_ros.cli.probe train --data runs/probe/default --out config/probes/copy_probe.npz
+    python -m wisv_ros.cli.probe summary --data runs/probe/default
+
+collect: builds repetition prompts from HumanEval canonical solutions (rename, annotate, quote and
+the non-copy control "explain"), lets the target complete them greedily and stores the captured
+hidden states of the chosen layers (default every 2nd layer, post_attn and post_mlp) with the copy
+labels (Y = 1 inside a verbatim run of >= 5 tokens seen earlier). Appends to the folder and skips
+prompts already stored, so an interrupted run continues where it stopped.
+
+train: splits the prompts by source problem into training and validation, trains one bias-free
+logistic probe per (layer, kind), writes the report table (report.md, report.json) and plot
+(report.png) next to the data (or to --report), and exports the probe with the best validation F1,
+with its F1-best threshold, to --out (.npz + .json sidecar holding this command line).
+The format is described in ``wisv_ros/probe.py``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ..lm import LAYER_KINDS, CausalLM
+from ..models import DEFAULT_TARGET, REGISTRY, load_model
+from ..probe import (PROMPT_KINDS, build_repetition_prompts, collect_probe_data, load_probe_data, save_probe,
+                     split_by_source, train_layers)
+from .common import set_threads
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
+
+
+def _names(allowed: tuple[str, ...]):
+    def parse(text: str) -> list[str]:
+        names = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [x for x in names if x not in allowed]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"'{text}': choose from {', '.join(allowed)}")
+        return names
+    return parse
+
+
+def _collect(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
+    if args.prompts < 1:
+        p.error(f"--prompts must be >= 1 (got {args.prompts})")
+    if args.max_new_tokens < 1:
+        p.error(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
+    if args.layer_step < 1:
+        p.error(f"--layer-step must be >= 1 (got {args.layer_step})")
+    set_threads(args.threads)
+    lm = CausalLM(*load_model(args.target, dtype=args.target_dtype))
+    if lm.tokenizer is None:
+        p.error(f"target '{args.target}' has no tokenizer; the repetition prompts are text")
+    layers = args.layers if args.layers is not None else list(range(0, lm.num_layers, args.layer_step))
+    bad = [layer for layer in layers if not 0 <= layer < lm.num_layers]
+    if bad:
+        p.error(f"--layers {bad} outside 0..{lm.num_layers - 1}")
+    prompts = build_repetition_prompts(args.prompts, seed=args.seed, kinds=args.prompt_kinds)
+    index = collect_probe_data(lm, prompts, layers, args.kinds, args.max_new_tokens, Path(args.out),
+                               min_run=args.min_run, target_name=args.target,
+                               progress=lambda it: tqdm(it, desc="probe data", unit="prompt", file=sys.stderr))
+    _print_summary(index)
+    return 0
+
+
+def _print_summary(index: list[dict]) -> None:
+    n = sum(r["n_new"] for r in index)
+    copy = sum(r["n_copy"] for r in index)
+    print(f"{len(index)} prompts, {n} completion tokens, {copy} with Y=1 ({copy / max(n, 1):.1%})")
+    kinds = sorted({r["kind"] for r in index})
+    for kind in kinds:
+        rows = [r for r in index if r["kind"] == kind]
+        n_k = sum(r["n_new"] for r in rows)
+        print(f"  {kind:10s} {len(rows):5d} prompts {n_k:7d} tokens  Y=1 {sum(r['n_copy'] for r in rows) / max(n_k, 1):.1%}")
+
+
+def _train(args: argparse.Namespace, p: argparse.ArgumentParser, argv: list[str]) -> int:
+    if not 0 < args.val_share < 1:
+        p.error(f"--val-share must be in (0, 1) (got {args.val_share})")
+    if args.l2 < 0 or args.max_iter < 1:
+        p.error(f"--l2 must be >= 0 and --max-iter >= 1 (got {args.l2}, {args.max_iter})")
+    set_threads(args.threads)
+    data = load_probe_data(Path(args.data))
+    try:
+        train_rows, val_rows = split_by_source(data, args.val_share, args.seed)
+    except ValueError as exc:
+        p.error(f"{exc}; collect more prompts first")
+    keys = data.keys()
+    if args.kinds is not None:
+        keys = [k for k in keys if k[1] in args.kinds]
+    if args.layers is not None:
+        keys = [k for k in keys if k[0] in args.layers]
+    if not keys:
+        p.error(f"no stored (layer, kind) matches; stored: {data.keys()}")
+    try:
+        report = train_layers(data, train_rows, val_rows, keys=keys, l2=args.l2, max_iter=args.max_iter,
+                              max_rows=args.max_rows, seed=args.seed,
+                              progress=lambda it: tqdm(it, desc="probes", unit="probe", file=sys.stderr))
+    except ValueError as exc:
+        p.error(str(exc))
+    folder = Path(args.report) if args.report else Path(args.data) / "report"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "report.md").write_text(report.table() + "\n")
+    (folder / "report.json").write_text(json.dumps(report.to_dict(), indent=1) + "\n")
+    png = report.plot(folder / "report.png", title=f"copy probe, {data.meta.get('target', '')}")
+    best = report.best
+    side = save_probe(Path(args.out), best.w, best.layer, best.kind, best.threshold, meta={
+        "target": data.meta.get("target"),
+        "min_run": data.meta.get("min_run"),
+        "data": str(args.data),
+        "metrics": best.summary(),
+        "command": "python -m wisv_ros.cli.probe " + shlex.join(argv),
+    })
+    print(report.table())
+    print(f"chosen: layer {best.layer} {best.kind}, val F1 {best.val_f1:.4f}, AUC {best.val_auc:.4f}, "
+          f"threshold {best.threshold:.3f} -> {args.out} ({side.name}); plot {png}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="python -m wisv_ros.cli.probe", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    col = sub.add_parser("collect", help="complete repetition prompts with the target, store hiddens + copy labels")
+    col.add_argument("--out", required=True, help="data folder (created; resumed if it exists)")
+    col.add_argument("--target", default=DEFAULT_TARGET,
+                     help=f"target model: {', '.join(REGISTRY)}, a HF folder or a .gguf file (default %(default)s)")
+    col.add_argument("--target-dtype", default="bfloat16", help="target weights dtype (default %(default)s)")
+    col.add_argument("--prompts", type=int, default=400, help="number of prompts, kinds taking turns (default %(default)s)")
+    col.add_argument("--prompt-kinds", type=_names(PROMPT_KINDS), default=list(PROMPT_KINDS),
+                     help=f"comma-separated prompt kinds (default {','.join(PROMPT_KINDS)})")
+    col.add_argument("--layers", type=_int_list, default=None, help="comma-separated decoder layers (default: every --layer-step-th)")
+    col.add_argument("--layer-step", type=int, default=2, help="default layers 0, step, 2*step, ... (default %(default)s)")
+    col.add_argument("--kinds", type=_names(LAYER_KINDS), default=list(LAYER_KINDS),
+                     help=f"comma-separated capture points (default {','.join(LAYER_KINDS)})")
+    col.add_argument("--max-new-tokens", type=int, default=320, help="completion length limit (default %(default)s)")
+    col.add_argument("--min-run", type=int, default=5, help="label: shortest repeated verbatim run (default %(default)s)")
+    col.add_argument("--seed", type=int, default=0, help="prompt selection seed (default %(default)s)")
+    col.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    tr = sub.add_parser("train", help="train one probe per stored (layer, kind), export the best")
+    tr.add_argument("--data", required=True, help="data folder written by collect")
+    tr.add_argument("--out", required=True, help="probe output path (.npz; a .json sidecar is written beside it)")
+    tr.add_argument("--report", default=None, help="report folder (default <data>/report)")
+    tr.add_argument("--layers", type=_int_list, default=None, help="only these stored layers (default all)")
+    tr.add_argument("--kinds", type=_names(LAYER_KINDS), default=None, help="only these stored kinds (default all)")
+    tr.add_argument("--val-share", type=float, default=0.2, help="share of source problems held out (default %(default)s)")
+    tr.add_argument("--l2", type=float, default=1e-3, help="L2 weight on the scaled probe weights (default %(default)s)")
+    tr.add_argument("--max-iter", type=int, default=100, help="LBFGS iterations (default %(default)s)")
+    tr.add_argument("--max-rows", type=int, default=None, help="train on at most this many random rows (default all)")
+    tr.add_argument("--seed", type=int, default=0, help="split and subsampling seed (default %(default)s)")
+    tr.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    summ = sub.add_parser("summary", help="counts of a data folder")
+    summ.add_argument("--data", required=True, help="data folder")
+    args = p.parse_args(argv)
+    if args.cmd == "collect":
+        return _collect(args, p)
+    if args.cmd == "train":
+        return _train(args, p, argv)
+    _print_summary(load_probe_data(Path(args.data)).index)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
