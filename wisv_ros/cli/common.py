@@ -21,9 +21,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="drafter ends a block after a token it is less sure of than this (0 = always K; default %(default)s)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of method reject (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of sampling methods (default %(default)s)")
-    p.add_argument("--copy", default="off", choices=["off", "ngram"],
-                   help="SwitchSD copy mode on the edge: off, or ngram (probe-less baseline: copy whenever the "
-                        "last --kappa tokens occurred before) (default %(default)s)")
+    p.add_argument("--copy", default="off", choices=["off", "ngram", "probe"],
+                   help="SwitchSD copy mode on the edge: off; ngram (probe-less baseline: copy whenever the last "
+                        "--kappa tokens occurred before); probe (copy only when the --probe fires too) (default %(default)s)")
+    p.add_argument("--probe", default=None, help="copy probe file (.npz from python -m wisv_ros.cli.probe train)")
     p.add_argument("--kappa", type=int, default=5, help="copy mode: suffix tokens to match (default %(default)s)")
     p.add_argument("--copy-width", type=int, default=4, help="copy mode: candidates per round, W (default %(default)s)")
     p.add_argument("--copy-depth", type=int, default=16, help="copy mode: tokens per candidate, D (default %(default)s)")
@@ -45,6 +46,8 @@ def check_args(args: argparse.Namespace) -> None:
     wants_wisv = "wisv" in str(getattr(args, "method", "")) or "wisv" in str(getattr(args, "methods", ""))
     if wants_wisv and not args.head:
         sys.exit("error: method wisv needs --head <decision head .onnx> (train one with python -m wisv_ros.cli.train_head)")
+    if getattr(args, "copy", "off") == "probe" and not (args.probe and os.path.isfile(args.probe)):
+        sys.exit(f"error: --copy probe needs --probe <existing probe .npz> (got {args.probe!r})")
     if args.head and not os.path.isfile(args.head):
         sys.exit(f"error: --head {args.head}: no such file")
     for name in ("kappa", "copy_width", "copy_depth"):
@@ -66,7 +69,13 @@ def set_threads(n: int) -> None:
 def load_pair(args: argparse.Namespace, need_drafter: bool = True) -> tuple[CausalLM, CausalLM | None]:
     """Load (target, drafter); the drafter is None when only the target is needed."""
     t0 = time.perf_counter()
-    target = CausalLM(*load_model(args.target, dtype=args.target_dtype))
+    capture = ()
+    if getattr(args, "copy", "off") == "probe":
+        from ..probe import load_probe
+
+        args.loaded_probe = load_probe(args.probe)
+        capture = [(args.loaded_probe.layer, args.loaded_probe.kind)]
+    target = CausalLM(*load_model(args.target, dtype=args.target_dtype), capture=capture)
     drafter = CausalLM(*load_model(args.drafter, dtype=args.drafter_dtype)) if need_drafter else None
     print(f"[wisv_ros] models loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return target, drafter
@@ -85,6 +94,10 @@ def make_halves(method: Method, target: CausalLM, drafter: CausalLM, args: argpa
     copy = None
     if getattr(args, "copy", "off") == "ngram":
         copy = CopyConfig(gate=None, kappa=args.kappa, width=args.copy_width, depth=args.copy_depth)
+    elif getattr(args, "copy", "off") == "probe":
+        probe = args.loaded_probe
+        copy = CopyConfig(gate=probe.fires, layer=(probe.layer, probe.kind), kappa=args.kappa,
+                          width=args.copy_width, depth=args.copy_depth)
     judge = None
     if method == Method.WISV:
         if not getattr(args, "head", None):
