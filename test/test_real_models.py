@@ -107,3 +107,20 @@ def test_post_attention_capture_differs_from_layer_output():
     a, m = step.layers[(10, "post_attn")], step.layers[(10, "post_mlp")]
     assert a.shape == m.shape == (step.hidden.shape[0], lm.hidden_size)
     assert not torch.allclose(a, m)
+
+
+def test_half_precision_models_score_in_float32():
+    """bfloat16 weights, float32 output layer: logits keep their float32 resolution."""
+    model, tok = models.load_model("smollm2-135m-instruct", dtype="bfloat16")
+    assert model.get_output_embeddings().weight.dtype == torch.float32
+    assert next(model.model.parameters()).dtype == torch.bfloat16
+    lm = CausalLM(model, tok)
+    logits = lm.feed(tok("def add(a, b):").input_ids, n_logits=1).logits[-1]
+    ref, _ = models.load_model("smollm2-135m-instruct")
+    ref_logits = CausalLM(ref, tok).feed(tok("def add(a, b):").input_ids, n_logits=1).logits[-1]
+    assert int(logits.argmax()) == int(ref_logits.argmax())
+    # float32 scores are not quantised to bfloat16's 8-bit mantissa: many distinct values.
+    assert torch.unique(logits).numel() > 0.9 * logits.numel()
+    plain, _ = models.load_model("smollm2-135m-instruct", dtype="bfloat16", fp32_logits=False)
+    plain_logits = CausalLM(plain, tok).feed(tok("def add(a, b):").input_ids, n_logits=1).logits[-1]
+    assert torch.unique(plain_logits).numel() < 0.5 * plain_logits.numel()

@@ -62,7 +62,9 @@ pick_python() {
     command -v "$cand" >/dev/null 2>&1 || continue
     # The ROS wheels exist for CPython 3.10-3.14 only.
     if "$cand" -c 'import sys; sys.exit(not ((3, 10) <= sys.version_info[:2] <= (3, 14)))' 2>/dev/null; then
-      "$cand" -c 'import sys; print(sys.executable)'
+      # The base interpreter, never the venv's own python: an activated .venv must not make this
+      # step think the interpreter changed (it would delete the venv it runs from).
+      "$cand" -c 'import os, sys; print(os.path.realpath(getattr(sys, "_base_executable", sys.executable)))'
       return 0
     fi
   done

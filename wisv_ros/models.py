@@ -244,8 +244,11 @@ def tiny_random(seed: int = 0, vocab_size: int = 64, noise: float = 0.0, hidden_
     return model.eval()
 
 
-def load_model(spec: str, dtype: str = "float32"):
-    """Load ``(model, tokenizer)`` for a model spec; tokenizer is None for tiny random models."""
+def load_model(spec: str, dtype: str = "float32", fp32_logits: bool = True):
+    """Load ``(model, tokenizer)`` for a model spec; tokenizer is None for tiny random models.
+
+    dtype: weights dtype. With bfloat16/float16 and ``fp32_logits`` the output layer runs in float32.
+    """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -266,5 +269,32 @@ def load_model(spec: str, dtype: str = "float32"):
     if not isinstance(torch_dtype, torch.dtype):
         raise ValueError(f"dtype '{dtype}' is not a torch dtype; use float32, bfloat16 or float16")
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
+    if torch_dtype in (torch.bfloat16, torch.float16) and fp32_logits:
+        _fp32_output_layer(model)
     tok = AutoTokenizer.from_pretrained(folder)
     return model.eval(), tok
+
+
+def _fp32_output_layer(model) -> None:
+    """Compute the logits in float32 on a half-precision model.
+
+    bfloat16 logits have about three significant digits, so the top two tokens often tie, and a
+    block pass and a one-token pass can break the tie differently. Scores in float32 make greedy
+    speculative decoding agree with the target's own greedy decoding far more often, for the cost
+    of a float32 copy of the output layer.
+    """
+    import torch
+
+    head = model.get_output_embeddings()
+    weight = head.weight.detach().float().clone()
+
+    class Float32Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(weight, requires_grad=False)
+
+        def forward(self, x):
+            return torch.nn.functional.linear(x.float(), self.weight)
+
+    model.set_output_embeddings(Float32Head())
+    model.config.tie_word_embeddings = False
