@@ -27,5 +27,12 @@ setup(
     zip_safe=False,
     license="Apache-2.0",
     description="Wireless speculative verification over ROS 2",
-    entry_points={"console_scripts": []},
+    entry_points={
+        "console_scripts": [
+            "drafter_node = wisv_ros.nodes.drafter_node:main",
+            "verifier_node = wisv_ros.nodes.verifier_node:main",
+            "link_emulator_node = wisv_ros.nodes.link_emulator_node:main",
+            "link_monitor_node = wisv_ros.nodes.link_monitor_node:main",
+        ]
+    },
 )

@@ -41,6 +41,7 @@ __all__ = [
     "Method",
     "Verdict",
     "Verifier",
+    "clip",
     "encode_prompt",
     "generate",
     "generate_target_only",
@@ -413,8 +414,8 @@ class Generation:
     stats: DecodeStats
 
 
-def _clip(new_ids: list[int], have: int, max_new: int, eos: set[int]) -> tuple[list[int], bool]:
-    """Cut committed ids at the token budget and after the first end-of-sequence token."""
+def clip(new_ids: list[int], have: int, max_new: int, eos: set[int]) -> tuple[list[int], bool]:
+    """Cut committed ids at the token budget and after the first end-of-sequence token; (kept, done)."""
     out = []
     for tok in new_ids:
         if have + len(out) >= max_new:
@@ -463,7 +464,7 @@ def generate(
         verdict = verifier.copy_round()
         if verdict is not None:  # copied on the edge: the drafter catches up on its next pass
             drafter.commit(verdict.committed_ids)
-            new, done = _clip(verdict.committed_ids, len(out), max_new_tokens, eos)
+            new, done = clip(verdict.committed_ids, len(out), max_new_tokens, eos)
             out.extend(new)
             stats.observe_copy_round(accepted=verdict.accepted_count, committed=len(new), target_s=verdict.target_time_s)
         else:
@@ -472,7 +473,7 @@ def generate(
             drafter.commit(verdict.committed_ids)
             if on_round is not None:
                 on_round(block, verdict, len(out))
-            new, done = _clip(verdict.committed_ids, len(out), max_new_tokens, eos)
+            new, done = clip(verdict.committed_ids, len(out), max_new_tokens, eos)
             out.extend(new)
             stats.observe_round(
                 drafted=len(block.token_ids),
@@ -516,7 +517,7 @@ def generate_target_only(
         t0 = time.perf_counter()
         step = lm.feed(todo, n_logits=1)
         tok, _ = _pick(step.logits[-1], temperature, gen)
-        new, done = _clip([tok], len(out), max_new_tokens, eos)
+        new, done = clip([tok], len(out), max_new_tokens, eos)
         out.extend(new)
         stats.observe_round(drafted=0, accepted=0, committed=len(new), mismatches=0, draft_s=0.0,
                             target_s=time.perf_counter() - t0, head_s=0.0)

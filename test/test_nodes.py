@@ -1,0 +1,481 @@
+"""drafter_node and verifier_node as real processes talking over DDS on loopback.
+
+Tiny random models (no tokenizer: prompts are space-separated ids). tools/test.sh sets a
+test-specific ROS_DOMAIN_ID and ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST; each group of tests uses
+its own namespace. Waits are on conditions with timeouts, never fixed sleeps.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+rclpy = pytest.importorskip("rclpy")
+
+from wisv_ros.decoding import generate_target_only  # noqa: E402
+from wisv_ros.lm import CausalLM  # noqa: E402
+from wisv_ros.models import load_model  # noqa: E402
+from wisv_ros.nodes.client import GenerateClient, spin_in_background  # noqa: E402
+from wisv_ros.nodes.common import RELIABLE_QOS  # noqa: E402
+from wisv_ros.wire import fill_hidden  # noqa: E402
+
+TARGET = "tiny-random:0:64"
+DRAFTER = "tiny-random:0:64:0.05"  # agrees with the target about a third of the time
+PROMPT = "5 9 12 3"
+PROMPT_IDS = [5, 9, 12, 3]
+START_TIMEOUT = 90.0  # process start + model load on a busy 2-core machine
+GOAL_TIMEOUT = 60.0
+
+
+# --------------------------------------------------------------------------- processes
+class NodeProcess:
+    """A node started as ``python -m wisv_ros.nodes.<kind> --ros-args ...``; log in a file."""
+
+    def __init__(self, kind: str, ns: str, log_dir: Path, **params):
+        self.kind = kind
+        self.log = log_dir / f"{ns.strip('/')}_{kind}_{uuid.uuid4().hex[:6]}.log"
+        cmd = [sys.executable, "-m", f"wisv_ros.nodes.{kind}", "--ros-args", "-r", f"__ns:={ns}"]
+        params.setdefault("threads", 1)
+        for name, value in params.items():
+            cmd += ["-p", f"{name}:={str(value).lower() if isinstance(value, bool) else value}"]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", RCUTILS_LOGGING_BUFFERED_STREAM="0")
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+    def tail(self, n: int = 30) -> str:
+        lines = self.log.read_text(errors="replace").splitlines()
+        return f"--- {self.kind} log ({self.log}):\n" + "\n".join(lines[-n:])
+
+
+@pytest.fixture(scope="module")
+def ros():
+    rclpy.init()
+    node = rclpy.create_node(f"test_nodes_{os.getpid()}")
+    executor, thread = spin_in_background(node, threads=3)
+    yield node
+    executor.shutdown()
+    node.destroy_node()
+    rclpy.try_shutdown()
+
+
+@pytest.fixture(scope="module")
+def target_lm():
+    return CausalLM(load_model(TARGET)[0])
+
+
+def reference(target_lm, n: int) -> list[int]:
+    return generate_target_only(target_lm, PROMPT_IDS, n).token_ids
+
+
+class Topic:
+    """Collects the messages of one topic (in the test process)."""
+
+    def __init__(self, node, msg_type, name: str):
+        self.msgs: list = []
+        self._cv = threading.Condition()
+        self.sub = node.create_subscription(msg_type, name, self._on, RELIABLE_QOS)
+
+    def _on(self, msg) -> None:
+        with self._cv:
+            self.msgs.append(msg)
+            self._cv.notify_all()
+
+    def wait_for(self, pred, timeout: float):
+        """First collected message satisfying ``pred`` (None on timeout)."""
+        with self._cv:
+            self._cv.wait_for(lambda: any(pred(m) for m in self.msgs), timeout)
+            return next((m for m in self.msgs if pred(m)), None)
+
+
+class Pair:
+    """verifier_node + drafter_node in one namespace, with test-side endpoints."""
+
+    def __init__(self, ros, ns: str, log_dir: Path, verifier: dict | None = None, drafter: dict | None = None):
+        from wisv_ros.msg import DraftBlock, HiddenRequest, RoundStats, Verdict
+
+        self.ros, self.ns, self.log_dir = ros, ns, log_dir
+        self.procs = {
+            "verifier": NodeProcess("verifier_node", ns, log_dir, target_model=TARGET, target_dtype="float32", **(verifier or {})),
+            "drafter": NodeProcess("drafter_node", ns, log_dir, drafter_model=DRAFTER, min_confidence=0.0, **(drafter or {})),
+        }
+        self.block_pub = ros.create_publisher(DraftBlock, f"{ns}/draft_block", RELIABLE_QOS)
+        self.verdicts = Topic(ros, Verdict, f"{ns}/verdict")
+        self.stats = Topic(ros, RoundStats, f"{ns}/round_stats")
+        self.hidden_requests = Topic(ros, HiddenRequest, f"{ns}/hidden_request")
+        self.client = GenerateClient(ros, f"{ns}/generate")
+
+    def logs(self) -> str:
+        return "\n".join(p.tail() for p in self.procs.values())
+
+    def wait_verifier(self, timeout: float = START_TIMEOUT) -> None:
+        """Until the verifier answers a probe block without error (model loaded, topics matched)."""
+        deadline = time.monotonic() + timeout
+        while self.verdicts.sub.get_publisher_count() == 0 or self.block_pub.get_subscription_count() == 0:
+            assert time.monotonic() < deadline, "verifier topics not discovered\n" + self.logs()
+            self.verdicts.wait_for(lambda m: False, 0.1)
+        while True:
+            rid = "probe-" + uuid.uuid4().hex[:8]
+            self.publish_block(rid, 0, [1, 2], context=PROMPT_IDS)
+            v = self.verdicts.wait_for(lambda m: m.request_id == rid, 5.0)
+            if v is not None and not v.error:
+                return
+            assert time.monotonic() < deadline, f"verifier not ready: {v.error if v else 'no verdict'}\n" + self.logs()
+            self.verdicts.wait_for(lambda m: False, 0.5)  # the model is still loading
+
+    def start_goal(self, timeout: float = START_TIMEOUT, **goal):
+        """Send a goal, retrying while the drafter rejects goals (model loading)."""
+        assert self.client.wait_for_server(timeout), "generate action server not found\n" + self.logs()
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.client.start(PROMPT, **goal)
+            except RuntimeError:
+                assert time.monotonic() < deadline, "drafter never accepted a goal\n" + self.logs()
+                self.verdicts.wait_for(lambda m: False, 0.5)
+
+    def publish_block(self, rid: str, round_id: int, ids: list[int], context=None, prefix_length=None,
+                      protocol: int = 0, hidden=None, method: str = "greedy"):
+        from wisv_ros.msg import DraftBlock
+
+        msg = DraftBlock()
+        msg.request_id, msg.round_id = rid, round_id
+        msg.token_ids, msg.k, msg.method, msg.protocol = ids, len(ids), method, protocol
+        if context is not None:
+            msg.context_ids = context
+        msg.prefix_length = len(context) if prefix_length is None else prefix_length
+        if hidden is not None:
+            fill_hidden(msg.hidden, hidden, dtype="float16")
+        self.block_pub.publish(msg)
+
+    def verdict_for(self, rid: str, round_id: int, timeout: float = 10.0):
+        v = self.verdicts.wait_for(lambda m: m.request_id == rid and m.round_id == round_id, timeout)
+        assert v is not None, f"no verdict for {rid} round {round_id}\n" + self.logs()
+        return v
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            p.stop()
+        for ep in (self.verdicts.sub, self.stats.sub, self.hidden_requests.sub):
+            self.ros.destroy_subscription(ep)
+        self.ros.destroy_publisher(self.block_pub)
+        self.client.client.destroy()
+
+
+def request_id(run) -> str:
+    return uuid.UUID(bytes=bytes(run.handle.goal_id.uuid)).hex[:16]
+
+
+@pytest.fixture(scope="module")
+def pair(ros, tmp_path_factory):
+    # max_requests 1: a block of another request evicts the running one (test_verifier_forgets_...).
+    p = Pair(ros, "/nodes_main", tmp_path_factory.mktemp("logs"), verifier={"max_requests": 1})
+    try:
+        p.wait_verifier()
+        yield p
+    finally:
+        p.close()
+
+
+# --------------------------------------------------------------------------- tests
+@pytest.mark.parametrize(
+    "protocol,method,tau",
+    [("ids", "greedy", 0.0), ("fh", "greedy", 0.0), ("sh", "wisv", 0.5)],
+    ids=["ids", "fh", "sh"],
+)
+def test_generate_equals_target_greedy(pair, target_lm, protocol, method, tau):
+    n = 40
+    run = pair.start_goal(max_new_tokens=n, k=4, protocol=protocol, method=method, tau=tau)
+    out = run.outcome(GOAL_TIMEOUT)
+    assert out.status_name == "succeeded", out.result.error + "\n" + pair.logs()
+    ids = list(out.result.token_ids)
+    assert ids == reference(target_lm, n)
+    # Streaming: the feedback deltas are the result, nothing lost or repeated.
+    assert out.feedback_ids() == ids
+    assert out.feedback_text() == out.result.text == " ".join(map(str, ids))
+    r = out.result
+    assert 1 < r.aal <= 5 and r.rounds < n and r.rounds * r.aal == pytest.approx(n)
+    assert r.uplink_bytes > 0 and r.downlink_bytes > 0 and r.tokens_per_s > 0
+    rid = request_id(run)
+    stats = [m for m in pair.stats.msgs if m.request_id == rid]
+    assert len(stats) == r.rounds and {m.protocol for m in stats} == {protocol}
+    assert sum(m.committed for m in stats) >= n
+    requests = [m for m in pair.hidden_requests.msgs if m.request_id == rid]
+    if protocol == "sh":  # wisv with tau > 0: the verifier fetched the hiddens at the mismatches
+        assert requests and all(len(m.positions) > 0 for m in requests)
+        assert sum(m.uplink_bytes for m in stats) > sum(m.drafted for m in stats) * 32 * 2  # hiddens went up
+    else:
+        assert not requests
+    if protocol == "fh":  # all K hiddens (32 float16 each) ride on every block
+        assert all(m.uplink_bytes > m.drafted * 32 * 2 for m in stats)
+
+
+def test_cancel_stops_a_long_goal(pair, target_lm):
+    n = 100_000
+    run = pair.start_goal(max_new_tokens=n, k=1)
+    assert run.first_feedback(GOAL_TIMEOUT), pair.logs()
+    assert run.cancel().return_code == 0  # ERROR_NONE: cancel accepted
+    out = run.outcome(GOAL_TIMEOUT)
+    assert out.status_name == "canceled" and out.result.error == "canceled"
+    ids = list(out.result.token_ids)
+    assert 0 < len(ids) < n
+    assert out.feedback_ids() == ids
+    assert ids == reference(target_lm, len(ids))
+
+
+def test_verifier_forgets_the_request_and_the_drafter_resends_the_context(pair, target_lm):
+    n = 600
+    run = pair.start_goal(max_new_tokens=n, k=1)
+    assert run.first_feedback(GOAL_TIMEOUT), pair.logs()
+    pair.publish_block("evict-" + uuid.uuid4().hex[:8], 0, [1], context=PROMPT_IDS)  # max_requests is 1
+    out = run.outcome(GOAL_TIMEOUT)
+    assert out.status_name == "succeeded", out.result.error + "\n" + pair.logs()
+    assert list(out.result.token_ids) == reference(target_lm, n)
+    assert out.feedback_ids() == list(out.result.token_ids)
+    rid = request_id(run)
+    assert f"unknown request {rid}: resend context" in pair.procs["drafter"].log.read_text(), pair.logs()
+
+
+def test_malformed_blocks_get_error_verdicts(pair):
+    import numpy as np
+
+    rid = "bad-" + uuid.uuid4().hex[:8]
+    nan = np.zeros((2, 32), np.float32)
+    nan[1, 3] = np.nan
+    pair.publish_block(rid, 0, [1, 2], context=PROMPT_IDS, protocol=1, hidden=nan)
+    assert "hidden: contains NaN" in pair.verdict_for(rid, 0).error
+    pair.publish_block(rid, 1, [1, 2], context=PROMPT_IDS, protocol=1, hidden=np.zeros((3, 32), np.float32))
+    assert "hidden: shape [3, 32], expected [2, *]" in pair.verdict_for(rid, 1).error
+    pair.publish_block(rid, 2, [1, 2], context=PROMPT_IDS, prefix_length=7)
+    assert "prefix_length 7 != len(context_ids) 4" in pair.verdict_for(rid, 2).error
+    pair.publish_block(rid, 3, [1, 99], context=PROMPT_IDS)
+    assert "token_ids: ids [99] outside the target vocabulary" in pair.verdict_for(rid, 3).error
+    other = "unknown-" + uuid.uuid4().hex[:8]
+    pair.publish_block(other, 0, [1, 2], prefix_length=4)
+    assert pair.verdict_for(other, 0).error == f"unknown request {other}: resend context"
+    # A good block, then its duplicate and a wrong prefix length.
+    pair.publish_block(rid, 4, [1, 2], context=PROMPT_IDS)
+    good = pair.verdict_for(rid, 4)
+    assert good.error == "" and good.committed_length == 4 + len(good.committed_ids)
+    pair.verdicts.msgs.clear()
+    pair.publish_block(rid, 4, [1, 2], prefix_length=good.committed_length)
+    assert "round_id 4: duplicate or out of order" in pair.verdict_for(rid, 4).error
+    pair.publish_block(rid, 5, [1, 2], prefix_length=good.committed_length + 1)
+    assert "does not match the committed length" in pair.verdict_for(rid, 5).error
+    assert pair.procs["verifier"].alive(), pair.logs()
+    pair.publish_block(rid, 6, [1, 2], prefix_length=good.committed_length)
+    assert pair.verdict_for(rid, 6).error == ""  # the request survived the malformed blocks
+
+
+def test_a_resent_block_gets_the_same_verdict_again(pair):
+    """A block resent after a verdict timeout (same request, round, prefix and tokens) is answered
+    with the verdict already given, not verified twice and not refused as a duplicate."""
+    rid = "resend-" + uuid.uuid4().hex[:8]
+    pair.publish_block(rid, 0, [1, 2], context=PROMPT_IDS)
+    first = pair.verdict_for(rid, 0)
+    assert first.error == ""
+    pair.verdicts.msgs.clear()
+    pair.publish_block(rid, 0, [1, 2], context=PROMPT_IDS)  # the resend
+    again = pair.verdict_for(rid, 0)
+    assert again.error == "" and list(again.committed_ids) == list(first.committed_ids)
+    assert again.committed_length == first.committed_length
+    pair.publish_block(rid, 1, [3], prefix_length=first.committed_length)  # the request goes on
+    assert pair.verdict_for(rid, 1).error == ""
+    assert pair.stats.wait_for(lambda m: m.request_id == rid and m.round_id == 1, 10.0) is not None
+    assert len([m for m in pair.stats.msgs if m.request_id == rid]) == 2  # verified once per round
+
+
+@pytest.mark.parametrize("mode", ["error", "drafter_only"])
+def test_verifier_killed_mid_goal(ros, target_lm, tmp_path, mode):
+    n = 1000
+    p = Pair(ros, f"/nodes_loss_{mode}", tmp_path,
+             drafter={"on_edge_loss": mode, "verdict_timeout_s": 1.0, "edge_retry_s": 0.5})
+    try:
+        p.wait_verifier()
+        run = p.start_goal(max_new_tokens=n, k=2)
+        assert run.first_feedback(GOAL_TIMEOUT), p.logs()
+        p.procs["verifier"].kill()
+        out = run.outcome(GOAL_TIMEOUT)
+        ids = list(out.result.token_ids)
+        assert p.procs["drafter"].alive(), p.logs()
+        assert out.feedback_ids() == ids  # nothing lost or repeated across the loss
+        assert len(ids) > 0
+        n_verified = len(run.feedback[0].token_ids_delta)
+        assert ids[:n_verified] == reference(target_lm, n_verified)
+        if mode == "error":
+            assert out.status_name == "aborted", p.logs()
+            assert "edge lost" in out.result.error and "no verdict within" in out.result.error
+            assert len(ids) < n
+        else:
+            assert out.status_name == "succeeded", out.result.error + "\n" + p.logs()
+            assert len(ids) == n
+            assert "continuing with the drafter alone" in p.procs["drafter"].log.read_text()
+    finally:
+        p.close()
+
+
+def test_invalid_goal_is_aborted_with_the_reason(pair):
+    out = pair.start_goal(max_new_tokens=8, method="bogus").outcome(GOAL_TIMEOUT)
+    assert out.status_name == "aborted"
+    assert "method 'bogus' is not served by drafter_node" in out.result.error
+    out = pair.start_goal(max_new_tokens=8, method="reject", temperature=0.0).outcome(GOAL_TIMEOUT)
+    assert out.status_name == "aborted" and "temperature > 0" in out.result.error
+    out = pair.start_goal(max_new_tokens=8, k=1000).outcome(GOAL_TIMEOUT)
+    assert out.status_name == "aborted" and "k must be in [1, 256], got 1000" in out.result.error
+
+
+def test_reject_sampling_equals_the_in_process_core(pair, target_lm):
+    """Method reject over the nodes (drafter distributions uploaded as float32) commits what
+    decoding.generate() commits in one process with the same seeds (both node seeds are 0)."""
+    from wisv_ros.decoding import Drafter, Method, Verifier, generate
+
+    n, k, temperature = 40, 4, 1.0
+    drafter_lm = CausalLM(load_model(DRAFTER)[0])
+    ref = generate(Drafter(drafter_lm, temperature=temperature, seed=0),
+                   Verifier(target_lm, Method.REJECT, temperature=temperature, seed=0), PROMPT_IDS, n, k)
+    run = pair.start_goal(max_new_tokens=n, k=k, method="reject", temperature=temperature)
+    out = run.outcome(GOAL_TIMEOUT)
+    assert out.status_name == "succeeded", out.result.error + "\n" + pair.logs()
+    assert list(out.result.token_ids) == ref.token_ids
+    assert ref.token_ids != reference(target_lm, n)  # sampled, not greedy
+    # Each block carried its [k, 64] float32 distribution: more than k * 64 * 4 bytes up per round.
+    assert out.result.uplink_bytes > out.result.rounds * k * 64 * 4 * 0.5
+
+
+def wait_log(proc: NodeProcess, text: str, timeout: float, start: int = 0) -> int:
+    """Position just after the first ``text`` in the log from ``start`` (polls the file)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        log = proc.log.read_text(errors="replace")
+        pos = log.find(text, start)
+        if pos >= 0:
+            return pos + len(text)
+        assert time.monotonic() < deadline, f"'{text}' not in the log within {timeout} s\n" + proc.tail()
+        threading.Event().wait(0.1)
+
+
+def test_channel_state_deadline_miss_is_logged(pair, ros):
+    from wisv_ros.msg import ChannelState
+
+    verifier = pair.procs["verifier"]
+    pos = wait_log(verifier, "channel_state deadline missed", 10.0)  # nothing published yet
+    pub = ros.create_publisher(ChannelState, f"{pair.ns}/channel_state", RELIABLE_QOS)
+    try:
+        deadline = time.monotonic() + 10.0
+        while pub.get_subscription_count() == 0:
+            assert time.monotonic() < deadline, "verifier did not subscribe to channel_state"
+            threading.Event().wait(0.05)
+        pub.publish(ChannelState(rate_bps=20e6, per=0.01, rtt_s=0.05))
+        pos = wait_log(verifier, "channel_state is arriving again", 10.0, pos)
+        wait_log(verifier, "channel_state deadline missed", 10.0, pos)  # silent again: logged again
+    finally:
+        ros.destroy_publisher(pub)
+    assert verifier.alive()
+
+
+def test_goals_are_rejected_when_the_drafter_cannot_load(ros, tmp_path):
+    drafter = NodeProcess("drafter_node", "/nodes_noload", tmp_path, drafter_model="no-such-model")
+    client = GenerateClient(ros, "/nodes_noload/generate")
+    try:
+        assert client.wait_for_server(START_TIMEOUT), drafter.tail()
+        wait_log(drafter, "loading the drafter failed", START_TIMEOUT)
+        with pytest.raises(RuntimeError, match="goal rejected"):
+            client.start(PROMPT, max_new_tokens=4)
+        wait_log(drafter, "goal rejected: MissingModelError: unknown model 'no-such-model'", 10.0)
+        assert drafter.alive()
+    finally:
+        drafter.stop()
+        client.client.destroy()
+
+
+def test_wisv_head_over_sh_equals_the_in_process_core(ros, target_lm, tmp_path):
+    """The node graph with an ONNX head (SH: hiddens fetched at the mismatches) commits exactly what
+    decoding.generate() commits in one process with the same head and the same float16 hiddens."""
+    import dataclasses
+
+    import numpy as np
+    import torch
+
+    from wisv_ros.decoding import Drafter, Method, Verifier, generate
+    from wisv_ros.head import DecisionHead, OnnxHead, export_onnx, make_judge
+    from wisv_ros.link import SCENARIOS
+
+    torch.manual_seed(0)
+    head = DecisionHead(32, 32, hidden=16).eval()
+    with torch.no_grad():  # spread the untrained head's outputs away from tau
+        [m for m in head.modules() if isinstance(m, torch.nn.Linear)][-1].weight.mul_(30)
+    path = tmp_path / "head.onnx"
+    export_onnx(head, path)
+    judge = make_judge(OnnxHead(path), lambda: SCENARIOS["20mbps_50ms"])  # the node's default_channel
+
+    def wire_judge(block, positions, target_hidden):  # the drafter sends float16 hiddens
+        wired = dataclasses.replace(block, hidden=block.hidden.astype(np.float16).astype(np.float32))
+        return judge(wired, positions, target_hidden)
+
+    n, k, tau = 40, 4, 0.5
+    drafter_lm = CausalLM(load_model(DRAFTER)[0])
+    ref = generate(Drafter(drafter_lm), Verifier(target_lm, Method.WISV, tau=tau, judge=wire_judge), PROMPT_IDS, n, k)
+    assert ref.token_ids != reference(target_lm, n)  # the head accepted some mismatches
+
+    p = Pair(ros, "/nodes_head", tmp_path, verifier={"head_path": str(path)})
+    try:
+        p.wait_verifier()
+        run = p.start_goal(max_new_tokens=n, k=k, method="wisv", tau=tau, protocol="sh")
+        out = run.outcome(GOAL_TIMEOUT)
+        assert out.status_name == "succeeded", out.result.error + "\n" + p.logs()
+        assert list(out.result.token_ids) == ref.token_ids
+        assert out.result.rounds == ref.stats.rounds
+        assert [m for m in p.hidden_requests.msgs if m.request_id == request_id(run)]
+        assert "no decision head" not in p.procs["verifier"].log.read_text()
+    finally:
+        p.close()
+
+
+def test_parameters_are_validated_when_set(pair, ros):
+    from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
+    from rcl_interfaces.srv import SetParameters
+
+    from wisv_ros.nodes.client import _wait
+
+    cli = ros.create_client(SetParameters, f"{pair.ns}/drafter_node/set_parameters")
+    try:
+        assert cli.wait_for_service(timeout_sec=10.0)
+
+        def set_param(name, value):
+            if isinstance(value, str):
+                pv = ParameterValue(type=ParameterType.PARAMETER_STRING, string_value=value)
+            else:
+                pv = ParameterValue(type=ParameterType.PARAMETER_INTEGER, integer_value=value)
+            req = SetParameters.Request(parameters=[Parameter(name=name, value=pv)])
+            return _wait(cli.call_async(req), 10.0, "set_parameters").results[0]
+
+        bad = set_param("method", "bogus")
+        assert not bad.successful and "method: 'bogus' is not one of greedy, reject, wisv" in bad.reason
+        assert not set_param("k", 0).successful  # below the declared range [1, 256]
+        frozen = set_param("drafter_model", "tiny-random:1:64")
+        assert not frozen.successful and "read at start only" in frozen.reason
+        assert set_param("k", 8).successful
+    finally:
+        ros.destroy_client(cli)
