@@ -74,7 +74,7 @@ class NodeProcess:
 def ros():
     rclpy.init()
     node = rclpy.create_node(f"test_nodes_{os.getpid()}")
-    executor, thread = spin_in_background(node, threads=3)
+    executor, thread = spin_in_background(node)
     yield node
     executor.shutdown()
     node.destroy_node()
@@ -126,6 +126,7 @@ class Pair:
         self.stats = Topic(ros, RoundStats, f"{ns}/round_stats")
         self.hidden_requests = Topic(ros, HiddenRequest, f"{ns}/hidden_request")
         self.client = GenerateClient(ros, f"{ns}/generate")
+        self.runs: list[Run] = []
 
     def logs(self) -> str:
         return "\n".join(p.tail() for p in self.procs.values())
@@ -145,16 +146,29 @@ class Pair:
             assert time.monotonic() < deadline, f"verifier not ready: {v.error if v else 'no verdict'}\n" + self.logs()
             self.verdicts.wait_for(lambda m: False, 0.5)  # the model is still loading
 
-    def start_goal(self, timeout: float = START_TIMEOUT, **goal):
+    def start_goal(self, timeout: float = START_TIMEOUT, **goal) -> "Run":
         """Send a goal, retrying while the drafter rejects goals (model loading)."""
         assert self.client.wait_for_server(timeout), "generate action server not found\n" + self.logs()
         deadline = time.monotonic() + timeout
         while True:
             try:
-                return self.client.start(PROMPT, **goal)
+                run = Run(self, self.client.start(PROMPT, **goal))
+                self.runs.append(run)
+                return run
             except RuntimeError:
                 assert time.monotonic() < deadline, "drafter never accepted a goal\n" + self.logs()
                 self.verdicts.wait_for(lambda m: False, 0.5)
+
+    def settle(self) -> None:
+        """Cancel goals a failed test left running, so that they cannot disturb the next test."""
+        for run in self.runs:
+            if not run.goal._result_future.done():
+                try:
+                    run.goal.cancel()
+                    run.goal.outcome(GOAL_TIMEOUT)
+                except TimeoutError:
+                    pass
+        self.runs.clear()
 
     def publish_block(self, rid: str, round_id: int, ids: list[int], context=None, prefix_length=None,
                       protocol: int = 0, hidden=None, method: str = "greedy"):
@@ -184,6 +198,26 @@ class Pair:
         self.client.client.destroy()
 
 
+class Run:
+    """A goal of a Pair: ``outcome()`` fails with the nodes' logs instead of a bare timeout."""
+
+    def __init__(self, pair: Pair, goal):
+        self.pair, self.goal = pair, goal
+        self.handle, self.feedback = goal.handle, goal.feedback
+
+    def first_feedback(self, timeout: float = GOAL_TIMEOUT) -> bool:
+        return self.goal.first_feedback(timeout)
+
+    def cancel(self):
+        return self.goal.cancel()
+
+    def outcome(self, timeout: float = GOAL_TIMEOUT):
+        try:
+            return self.goal.outcome(timeout)
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}\n{self.pair.logs()}") from None
+
+
 def request_id(run) -> str:
     return uuid.UUID(bytes=bytes(run.handle.goal_id.uuid)).hex[:16]
 
@@ -197,6 +231,14 @@ def pair(ros, tmp_path_factory):
         yield p
     finally:
         p.close()
+
+
+@pytest.fixture(autouse=True)
+def _settle_goals(request):
+    """After each test on the shared pair, no goal of it is left running."""
+    yield
+    if "pair" in request.fixturenames:
+        request.getfixturevalue("pair").settle()
 
 
 # --------------------------------------------------------------------------- tests

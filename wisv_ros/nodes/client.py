@@ -18,7 +18,7 @@ import threading
 
 from action_msgs.msg import GoalStatus
 from rclpy.action import ActionClient
-from rclpy.executors import MultiThreadedExecutor
+from rclpy.executors import SingleThreadedExecutor
 from rclpy.node import Node
 
 from .common import FEEDBACK_QOS
@@ -34,9 +34,13 @@ _STATUS = {
 }
 
 
-def spin_in_background(node: Node, threads: int = 2) -> tuple[MultiThreadedExecutor, threading.Thread]:
-    """Spin ``node`` in a daemon thread; call ``executor.shutdown()`` when done."""
-    executor = MultiThreadedExecutor(num_threads=threads)
+def spin_in_background(node: Node) -> tuple[SingleThreadedExecutor, threading.Thread]:
+    """Spin ``node`` in a daemon thread; call ``executor.shutdown()`` when done.
+
+    One executor thread (see ``common.run_node`` for why not rclpy's MultiThreadedExecutor);
+    the calls of this module wait in the caller's thread, never in a callback.
+    """
+    executor = SingleThreadedExecutor()
     executor.add_node(node)
     thread = threading.Thread(target=executor.spin, name=f"spin_{node.get_name()}", daemon=True)
     thread.start()

@@ -4,11 +4,11 @@ Only rclpy API that ROS 2 Humble already has is used here (no ``with rclpy.init(
 """
 from __future__ import annotations
 
-import time
+import threading
 from typing import Callable
 
 import rclpy
-from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.node import Node
 from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy
 from rclpy.serialization import serialize_message
@@ -21,11 +21,11 @@ __all__ = [
     "declare",
     "frozen_after_start",
     "msg_bytes",
+    "offload",
     "reliable_qos",
     "run_node",
     "stamp_age_s",
     "stamp_now",
-    "take_pending",
 ]
 
 QOS_DEPTH = 10
@@ -106,42 +106,44 @@ def stamp_age_s(node: Node, stamp) -> float:
     return max(0.0, (now - (stamp.sec * 1_000_000_000 + stamp.nanosec)) / 1e9)
 
 
-def take_pending(sub, limit: int = 16) -> list[tuple[object, float]]:
-    """(message, seconds it waited in the reader) for messages waiting in ``sub``'s reader, taken
-    directly (at most ``limit``; the wait is 0 when the middleware gives no reception stamp).
+def offload(node: Node, fn: Callable, *args):
+    """Run ``fn(*args)`` in a new thread; an rclpy Future of its result, for ``await`` in a callback.
 
-    A safety net against a lost executor wake-up: under CPU load a sample was seen sitting in the
-    reader while the executor kept waiting, until the next sample on that topic arrived (a block
-    answered 5 s late, just after the next test's first block). Nodes call this from a timer or a
-    bounded wait in the subscription's own (mutually exclusive) callback group, or where the
-    callback is idempotent, so a message is never handled twice.
+    The executor stays free while ``fn`` runs (the nodes spin one thread, see ``run_node``); the
+    future's done callback makes ``set_result`` wake the executor, which then resumes the awaiting
+    coroutine (rclpy's mechanism since Humble).
     """
-    out = []
-    try:
-        with sub.handle:
-            for _ in range(limit):
-                taken = sub.handle.take_message(sub.msg_type, sub.raw)
-                if taken is None:
-                    break
-                received_ns = int((taken[1] or {}).get("received_timestamp", 0) or 0)
-                waited = (time.time_ns() - received_ns) / 1e9 if received_ns > 0 else 0.0
-                out.append((taken[0], max(0.0, waited)))
-    except Exception:  # noqa: BLE001 - destroyed while shutting down
-        pass
-    return out
+    from rclpy.task import Future
+
+    future = Future(executor=node.executor)
+    future.add_done_callback(lambda _f: None)  # completion schedules a task: wakes the executor
+
+    def run():
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the awaiting coroutine
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=getattr(fn, "__name__", "offload"), daemon=True).start()
+    return future
 
 
-def run_node(factory: Callable[[], Node], args=None, threads: int = 4) -> None:
-    """rclpy.init, build the node, spin it on a MultiThreadedExecutor, shut down cleanly.
+def run_node(factory: Callable[[], Node], args=None) -> None:
+    """rclpy.init, build the node, spin it on a SingleThreadedExecutor, shut down cleanly.
 
-    Written without ``with rclpy.init()`` (not in Humble). ``threads``: executor threads; the nodes
-    need >= 3 (a long callback, the message callbacks, the action/timer machinery).
+    One executor thread, callbacks that never block: long work (a goal's rounds, a target pass)
+    runs in the node's own threads. rclpy's MultiThreadedExecutor is not used: with the rclpy of
+    these wheels a topic ping-pong between two processes spinning it took 126 ms median, with
+    answers up to seconds late, on an idle machine (4-6 ms median under load), against 0.6-0.8 ms
+    for SingleThreadedExecutor (``python -m wisv_ros.cli.executor_latency``; rclpy issues #1223,
+    #1452). Node tests with it failed at random. Written without ``with rclpy.init()`` (not in
+    Humble).
     """
     rclpy.init(args=args)
     node = None
     try:
         node = factory()
-        executor = MultiThreadedExecutor(num_threads=threads)
+        executor = SingleThreadedExecutor()
         executor.add_node(node)
         executor.spin()
     except (KeyboardInterrupt, ExternalShutdownException):

@@ -23,9 +23,10 @@ going alone (commits its own draft tokens); at most every ``edge_retry_s`` it tr
 again (if a verifier is subscribed), sending the whole committed context with that block; the first
 verdict that comes back ends drafter-only mode. A verdict ``unknown request`` (verifier restarted)
 makes the next block carry the whole context. Stale, duplicate and foreign verdicts are ignored.
-While a verdict is awaited the verdict reader is also polled (``VERDICT_POLL_S``), and hidden
-requests are polled by a timer: a message left in the reader by a lost executor wake-up is handled
-within that time instead of after a timeout (``common.take_pending``).
+
+Threads: the node spins one executor thread (``common.run_node``) whose callbacks never block;
+each goal's rounds run in a thread of their own (``common.offload``), which waits for its verdict
+on a condition variable that the verdict callback sets.
 
 Models without a tokenizer (``tiny-random:...``): the goal's prompt is space-separated integer ids
 ("5 9 12 3") and the result text is the generated ids joined by spaces.
@@ -44,15 +45,14 @@ from pathlib import Path
 
 import numpy as np
 from rclpy.action import ActionServer, CancelResponse, GoalResponse
-from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
 from rclpy.node import Node
 
 from ..decoding import Drafter, Method, clip, encode_prompt, same_vocabulary
 from ..link import ChannelState as LinkChannel
 from ..link import WireFormat, choose_protocol
 from ..wire import UNKNOWN_REQUEST, WireError, fill_hidden, fill_tensor, text_to_ids
-from .common import (FEEDBACK_QOS, RELIABLE_QOS, check_choice, declare, frozen_after_start, msg_bytes, run_node,
-                     stamp_now, take_pending)
+from .common import (FEEDBACK_QOS, RELIABLE_QOS, check_choice, declare, frozen_after_start, msg_bytes, offload,
+                     run_node, stamp_now)
 
 __all__ = ["DrafterNode", "main"]
 
@@ -61,8 +61,6 @@ PROTOCOLS = ("ids", "fh", "sh", "adaptive")
 EDGE_LOSS = ("error", "drafter_only")
 HIDDEN_WIRE_DTYPE = "float16"
 _PROTO_CODE = {"ids": 0, "fh": 1, "sh": 2}  # DraftBlock.PROTOCOL_*
-VERDICT_POLL_S = 0.25  # while a verdict is awaited, take one left in the reader this often
-HIDDEN_POLL_S = 0.1  # hidden requests left in the reader are taken this often
 
 
 def load_tokenizer(spec: str):
@@ -130,21 +128,15 @@ class DrafterNode(Node):
 
         self._DraftBlock, self._HiddenReply = DraftBlock, HiddenReply
         self._Generate = Generate
-        self._msgs_group = ReentrantCallbackGroup()
         self._block_pub = self.create_publisher(DraftBlock, "draft_block", RELIABLE_QOS)
         self._reply_pub = self.create_publisher(HiddenReply, "hidden_reply", RELIABLE_QOS)
-        self._verdict_sub = self.create_subscription(Verdict, "verdict", self._on_verdict, RELIABLE_QOS,
-                                                     callback_group=self._msgs_group)
-        self._hreq_sub = self.create_subscription(HiddenRequest, "hidden_request", self._on_hidden_request, RELIABLE_QOS,
-                                                  callback_group=self._msgs_group)
-        # Hidden requests left in the reader by a lost executor wake-up (see common.take_pending;
-        # answering a request twice is harmless: the verifier takes the first reply).
-        self.create_timer(HIDDEN_POLL_S, self._poll_hidden_requests, callback_group=MutuallyExclusiveCallbackGroup())
-        self.create_subscription(ChannelState, "channel_state", self._on_channel_state, RELIABLE_QOS, callback_group=self._msgs_group)
+        self.create_subscription(Verdict, "verdict", self._on_verdict, RELIABLE_QOS)
+        self.create_subscription(HiddenRequest, "hidden_request", self._on_hidden_request, RELIABLE_QOS)
+        self.create_subscription(ChannelState, "channel_state", self._on_channel_state, RELIABLE_QOS)
         self._action = ActionServer(
             self, Generate, "generate", self._execute,
             goal_callback=self._on_goal, cancel_callback=lambda _req: CancelResponse.ACCEPT,
-            callback_group=ReentrantCallbackGroup(), feedback_pub_qos_profile=FEEDBACK_QOS,
+            feedback_pub_qos_profile=FEEDBACK_QOS,
         )
 
         self._lm = None
@@ -226,7 +218,11 @@ class DrafterNode(Node):
                 raise ValueError("method reject needs one vocabulary; this drafter drafts across tokenizers")
         return cfg
 
-    def _execute(self, goal_handle):
+    async def _execute(self, goal_handle):
+        """The action's execute callback: the goal runs in its own thread, the executor stays free."""
+        return await offload(self, self._run_goal, goal_handle)
+
+    def _run_goal(self, goal_handle):
         Result = self._Generate.Result
         with self._goal_lock:
             t_start = time.perf_counter()
@@ -421,20 +417,8 @@ class DrafterNode(Node):
             self._awaiting, self._verdict = key, None
         self._count_bytes(up=msg_bytes(msg))
         self._block_pub.publish(msg)
-        deadline = time.monotonic() + timeout
         with self._cv:
-            while self._verdict is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                if not self._cv.wait_for(lambda: self._verdict is not None, min(left, VERDICT_POLL_S)):
-                    # A verdict may sit in the reader while the executor waits (lost wake-up).
-                    self._cv.release()  # _on_verdict takes the lock
-                    try:
-                        for m, _ in take_pending(self._verdict_sub):
-                            self._on_verdict(m)
-                    finally:
-                        self._cv.acquire()
+            self._cv.wait_for(lambda: self._verdict is not None, timeout)
             verdict, self._awaiting = self._verdict, None
         if verdict is None:
             return None, f"no verdict within verdict_timeout_s = {timeout} s"
@@ -463,10 +447,6 @@ class DrafterNode(Node):
             self.get_logger().info(f"ignoring a stale or duplicate verdict: request {msg.request_id} round {msg.round_id}")
         else:  # another drafter's request on the same topic
             self.get_logger().debug(f"ignoring a verdict for request {msg.request_id} (not ours)")
-
-    def _poll_hidden_requests(self) -> None:
-        for msg, _ in take_pending(self._hreq_sub):
-            self._on_hidden_request(msg)
 
     def _on_hidden_request(self, msg) -> None:
         with self._cv:

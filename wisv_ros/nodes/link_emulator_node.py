@@ -255,7 +255,7 @@ class LinkEmulatorNode(Node):
 def main(args=None) -> None:
     """Console script ``link_emulator_node``."""
     sys.setswitchinterval(0.0005)  # the delivery thread gets the GIL quickly when a message is due
-    run_node(LinkEmulatorNode, args=args, threads=2)
+    run_node(LinkEmulatorNode, args=args)
 
 
 if __name__ == "__main__":

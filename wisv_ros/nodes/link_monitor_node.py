@@ -44,7 +44,6 @@ import sys
 import threading
 import time
 
-from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.node import Node
 from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy
 from rclpy.duration import Duration
@@ -110,9 +109,7 @@ class LinkMonitorNode(Node):
         qos = best_effort_qos() if probe_qos == "best_effort" else reliable_qos()
         if self.role == "edge":
             self._echo_pub = self.create_publisher(LinkProbe, "link_probe_echo", qos)
-            # Its own group: the echo never waits behind another callback of this node.
-            self.create_subscription(LinkProbe, "link_probe", self._on_probe, qos,
-                                     callback_group=MutuallyExclusiveCallbackGroup())
+            self.create_subscription(LinkProbe, "link_probe", self._on_probe, qos)
             self.get_logger().info("echoing link_probe on link_probe_echo")
             return
 
@@ -150,13 +147,11 @@ class LinkMonitorNode(Node):
         self._seq = 0
         self._probe_pub = self.create_publisher(LinkProbe, "link_probe", qos)
         self._state_pub = self.create_publisher(ChannelState, "channel_state", STATE_QOS)
-        # One group each: an echo is timestamped without waiting for the probe timer or the
-        # publication of channel_state (and vice versa).
-        self.create_subscription(LinkProbe, "link_probe_echo", self._on_echo, qos,
-                                 callback_group=MutuallyExclusiveCallbackGroup())
-        self.create_timer(period, self._send_probe, callback_group=MutuallyExclusiveCallbackGroup())
-        self.create_timer(publish_period, self._publish_state,
-                          callback_group=MutuallyExclusiveCallbackGroup())
+        # Echoes are timed by the middleware's reception stamp (_received_monotonic), so a probe
+        # timer or a channel_state publication running at that moment does not add to the RTT.
+        self.create_subscription(LinkProbe, "link_probe_echo", self._on_echo, qos)
+        self.create_timer(period, self._send_probe)
+        self.create_timer(publish_period, self._publish_state)
         self.get_logger().info(
             f"probing every {period} s ({small} B / {large} B padding), publishing every "
             f"{publish_period} s"
@@ -222,7 +217,7 @@ class LinkMonitorNode(Node):
 def main(args=None) -> None:
     """Console script ``link_monitor_node``."""
     sys.setswitchinterval(0.0005)  # hand the GIL over quickly: probe times are latency-critical
-    run_node(LinkMonitorNode, args=args, threads=3)
+    run_node(LinkMonitorNode, args=args)
 
 
 if __name__ == "__main__":

@@ -19,11 +19,9 @@ Idempotent resends: the last verdict of each request is kept; a block with the r
 and token_ids of the last verified round (the drafter resends a block whose verdict it did not get in
 time, see drafter_node ``verdict_retries``) is answered with that verdict again, not verified twice.
 
-Threads: the target pass runs in its own MutuallyExclusiveCallbackGroup on a MultiThreadedExecutor;
-hidden replies and channel states are handled in another group, so they are never blocked by it.
-A block can sit in the reader while the executor keeps waiting (a lost wake-up, seen under CPU load:
-answered only when the next block arrived); a timer in the block group takes such blocks every
-``BLOCK_POLL_S``, and the SH wait polls for its hidden reply (``common.take_pending``).
+Threads: the node spins one executor thread (``common.run_node``) whose callbacks never block: the
+block callback queues the block, and one verification thread takes blocks in arrival order and
+runs the target; hidden replies and channel states are handled by the executor meanwhile.
 Under protocol SH with method wisv, the decision head's input is fetched when the core asks for it
 (mismatches exist and tau > 0): HiddenRequest with the mismatch positions, then a wait of at most
 ``hidden_request_timeout_s`` for the HiddenReply; without a reply the mismatches are rejected
@@ -35,11 +33,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import queue
 import threading
 import time
 
 import numpy as np
-from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
 from rclpy.node import Node
 
 from ..decoding import DraftBlock as CoreBlock
@@ -47,14 +45,12 @@ from ..decoding import Method, Verifier
 from ..link import SCENARIOS
 from ..link import ChannelState as LinkChannel
 from ..wire import UNKNOWN_REQUEST, WireError, is_empty, read_hidden, read_tensor
-from .common import RELIABLE_QOS, declare, frozen_after_start, msg_bytes, run_node, stamp_age_s, stamp_now, take_pending
+from .common import RELIABLE_QOS, declare, frozen_after_start, msg_bytes, run_node, stamp_age_s, stamp_now
 
 __all__ = ["VerifierNode", "main"]
 
 _PROTO_NAME = {0: "ids", 1: "fh", 2: "sh"}  # DraftBlock.PROTOCOL_*
 DTYPES = ("float32", "bfloat16", "float16")
-BLOCK_POLL_S = 0.25  # blocks left in the reader by a lost executor wake-up are taken this often
-HIDDEN_POLL_S = 0.1  # ... and a hidden reply while one is awaited
 
 
 class BlockError(ValueError):
@@ -100,24 +96,18 @@ class VerifierNode(Node):
         from ..msg import ChannelState, DraftBlock, HiddenReply, HiddenRequest, RoundStats, Verdict
 
         self._Verdict, self._HiddenRequest, self._RoundStats = Verdict, HiddenRequest, RoundStats
-        self._verify_group = MutuallyExclusiveCallbackGroup()
-        self._fast_group = ReentrantCallbackGroup()
         self._verdict_pub = self.create_publisher(Verdict, "verdict", RELIABLE_QOS)
         self._request_pub = self.create_publisher(HiddenRequest, "hidden_request", RELIABLE_QOS)
         self._stats_pub = self.create_publisher(RoundStats, "round_stats", RELIABLE_QOS)
-        self._block_sub = self.create_subscription(DraftBlock, "draft_block", self._on_block, RELIABLE_QOS,
-                                                   callback_group=self._verify_group)
-        self._reply_sub = self.create_subscription(HiddenReply, "hidden_reply", self._on_hidden_reply, RELIABLE_QOS,
-                                                   callback_group=self._fast_group)
-        # Same group as the block callback: never concurrent with it (see common.take_pending).
-        self.create_timer(BLOCK_POLL_S, self._poll_blocks, callback_group=self._verify_group)
-        self.create_subscription(ChannelState, "channel_state", self._on_channel_state, RELIABLE_QOS,
-                                 callback_group=self._fast_group)
+        self._blocks: queue.Queue = queue.Queue()  # (message, perf_counter at reception)
+        self.create_subscription(DraftBlock, "draft_block", self._queue_block, RELIABLE_QOS)
+        self.create_subscription(HiddenReply, "hidden_reply", self._on_hidden_reply, RELIABLE_QOS)
+        self.create_subscription(ChannelState, "channel_state", self._on_channel_state, RELIABLE_QOS)
         deadline = float(self._param("channel_deadline_s"))
         self._channel_at = time.monotonic()  # the deadline runs from the start
         self._channel_silent = False
         if deadline > 0:
-            self.create_timer(deadline / 4, self._check_channel_deadline, callback_group=self._fast_group)
+            self.create_timer(deadline / 4, self._check_channel_deadline)
 
         self._lm = None
         self._load_error: str | None = None
@@ -131,6 +121,7 @@ class VerifierNode(Node):
         self._h_reply = None
         self._round_extra = {"up": 0, "down": 0, "wait_s": 0.0}
         threading.Thread(target=self._load, name="load_model", daemon=True).start()
+        threading.Thread(target=self._verify_loop, name="verify", daemon=True).start()
 
     def _param(self, name):
         return self.get_parameter(name).value
@@ -211,14 +202,19 @@ class VerifierNode(Node):
             session.last_verdict = verdict
             session.last_key = (int(msg.prefix_length), tuple(int(i) for i in msg.token_ids))
 
-    def _poll_blocks(self) -> None:
-        for msg, waited in take_pending(self._block_sub):
-            if waited > BLOCK_POLL_S:  # not just arrived: the executor did not wake up for it
-                self.get_logger().info(f"request {msg.request_id} round {msg.round_id}: block taken by the poll "
-                                       f"after {waited:.2f} s in the reader")
-            self._on_block(msg)
+    def _queue_block(self, msg) -> None:
+        self._blocks.put((msg, time.perf_counter()))
 
-    def _on_block(self, msg) -> None:
+    def _verify_loop(self) -> None:
+        """The verification thread: blocks in arrival order; an exception never ends it."""
+        while True:
+            msg, t_recv = self._blocks.get()
+            try:
+                self._on_block(msg, t_recv)
+            except Exception as exc:  # noqa: BLE001 - e.g. publishing while the node shuts down
+                self.get_logger().error(f"request {msg.request_id} round {msg.round_id}: {exc!r}")
+
+    def _on_block(self, msg, t_recv: float) -> None:
         resent = self._resent_verdict(msg)
         if resent is not None:  # idempotent: the drafter missed (or timed out on) this verdict
             self.get_logger().info(f"request {msg.request_id} round {msg.round_id}: block resent; "
@@ -227,7 +223,6 @@ class VerifierNode(Node):
             self._verdict_pub.publish(resent)
             return
         self._verifying = None  # (request, round) once this block passed the checks
-        t_recv = time.perf_counter()
         uplink_s = stamp_age_s(self, msg.header.stamp)
         self._round_extra = {"up": 0, "down": 0, "wait_s": 0.0}
         try:
@@ -385,19 +380,8 @@ class VerifierNode(Node):
             self._h_awaiting, self._h_reply = (rid, rnd), None
         self._round_extra["down"] += msg_bytes(req)
         self._request_pub.publish(req)
-        deadline = time.monotonic() + timeout
         with self._hcv:
-            while self._h_reply is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                if not self._hcv.wait_for(lambda: self._h_reply is not None, min(left, HIDDEN_POLL_S)):
-                    self._hcv.release()  # _on_hidden_reply takes the lock
-                    try:
-                        for m, _ in take_pending(self._reply_sub):
-                            self._on_hidden_reply(m)
-                    finally:
-                        self._hcv.acquire()
+            self._hcv.wait_for(lambda: self._h_reply is not None, timeout)
             reply, self._h_awaiting = self._h_reply, None
         self._round_extra["wait_s"] += time.perf_counter() - t0
         if reply is None:
