@@ -1,0 +1,437 @@
+"""Both launch routes read one description (wisv_ros/graph.py), and the pip route really runs.
+
+- ``launch/*.launch.py`` are loaded with recording stand-ins for ``launch``, ``launch.actions``,
+  ``launch.substitutions``, ``launch_ros.actions`` and ``launch_ros.parameter_descriptions``
+  (put into ``sys.modules`` only inside the test; the real packages are not installable here),
+  and their Node actions are compared with the command lines of ``python -m wisv_ros.cli.launch``.
+- The parameter files, executables and link topics are checked against the nodes and packaging.
+- ``python -m wisv_ros.cli.launch system`` with tiny models comes up, answers a Generate goal with
+  the target's own greedy output, relays the robot monitor's channel_state to the edge, reports a
+  node that dies, and stops with no process left; a launcher killed with SIGKILL takes its nodes
+  with it (PR_SET_PDEATHSIG).
+
+The real ``ros2 launch`` is not run (no ROS 2 install here).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import types
+from pathlib import Path
+
+import pytest
+import yaml
+
+from wisv_ros import graph
+from wisv_ros.cli.launch import build_commands, parse_sets
+from wisv_ros.models import DEFAULT_DRAFTER, DEFAULT_TARGET
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET = "tiny-random:0:64"
+DRAFTER = "tiny-random:0:64:0.05"
+PROMPT_IDS = [5, 9, 12, 3]
+START_TIMEOUT = 120.0  # five processes start at once on a busy 2-core machine
+
+
+# --------------------------------------------------------------------------- launch stand-ins
+class _Recorded:
+    def __init__(self, *args, **kwargs):
+        self.args, self.kwargs = args, kwargs
+
+
+class _LaunchDescription(_Recorded):
+    @property
+    def entities(self):
+        return self.args[0] if self.args else self.kwargs.get("initial_entities", [])
+
+
+class _ParameterValue(_Recorded):
+    @property
+    def value(self):
+        return self.args[0]
+
+
+def _stand_ins() -> dict[str, types.ModuleType]:
+    def module(name, **attrs):
+        m = types.ModuleType(name)
+        m.__dict__.update(attrs)
+        return m
+
+    def cls(name, base=_Recorded):
+        return type(name, (base,), {})
+
+    return {
+        "launch": module("launch", LaunchDescription=_LaunchDescription),
+        "launch.actions": module("launch.actions", DeclareLaunchArgument=cls("DeclareLaunchArgument"),
+                                 OpaqueFunction=cls("OpaqueFunction")),
+        "launch.substitutions": module("launch.substitutions", LaunchConfiguration=cls("LaunchConfiguration")),
+        "launch_ros": module("launch_ros"),
+        "launch_ros.actions": module("launch_ros.actions", Node=cls("Node")),
+        "launch_ros.parameter_descriptions": module("launch_ros.parameter_descriptions",
+                                                    ParameterValue=_ParameterValue),
+    }
+
+
+def load_launch_file(configuration: str, monkeypatch, arguments: dict[str, str] | None = None):
+    """Run ``launch/<configuration>.launch.py`` against the stand-ins, as ``ros2 launch`` would:
+    declared arguments take their defaults unless given, then the OpaqueFunction makes the nodes.
+    Returns (declared arguments {name: (default, description)}, Node kwargs list)."""
+    for name, mod in _stand_ins().items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    path = ROOT / "launch" / f"{configuration}.launch.py"
+    spec = importlib.util.spec_from_file_location(f"_launch_{configuration}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    ld = mod.generate_launch_description()
+    declared, opaque = {}, []
+    for entity in ld.entities:
+        kind = type(entity).__name__
+        if kind == "DeclareLaunchArgument":
+            declared[entity.args[0]] = (entity.kwargs["default_value"], entity.kwargs["description"])
+        elif kind == "OpaqueFunction":
+            opaque.append(entity.kwargs["function"])
+        else:
+            raise AssertionError(f"unexpected launch entity {kind}")
+    configurations = {name: default for name, (default, _) in declared.items()}
+    configurations.update(arguments or {})
+    context = types.SimpleNamespace(launch_configurations=configurations)
+    nodes = []
+    for fn in opaque:
+        for action in fn(context):
+            assert type(action).__name__ == "Node"
+            nodes.append(action.kwargs)
+    return declared, nodes
+
+
+# --------------------------------------------------------------------------- normal forms
+def _from_launch(kw: dict) -> dict:
+    params_file, overrides = kw["parameters"]
+    return {
+        "package": kw["package"], "executable": kw["executable"], "name": kw["name"], "namespace": kw["namespace"],
+        "params_file": params_file,
+        "parameters": {k: v.value if isinstance(v, _ParameterValue) else v for k, v in overrides.items()},
+        "string_typed": {k for k, v in overrides.items() if isinstance(v, _ParameterValue) and v.kwargs.get("value_type") is str},
+        "remappings": list(kw["remappings"]),
+    }
+
+
+def _from_command(cmd: list[str]) -> dict:
+    """Parse ``python -m wisv_ros.nodes.<exe> --ros-args ...`` back (``-p`` values read as YAML, as rcl does)."""
+    assert cmd[1] == "-m" and cmd[3] == "--ros-args", cmd
+    package, nodes, exe = cmd[2].split(".")
+    assert nodes == "nodes"
+    out = {"package": package, "executable": exe, "parameters": {}, "remappings": [], "string_typed": set()}
+    it = iter(cmd[4:])
+    for flag in it:
+        value = next(it)
+        if flag == "--params-file":
+            out["params_file"] = value
+        elif flag == "-p":
+            name, _, raw = value.partition(":=")
+            parsed = yaml.safe_load(raw)
+            out["parameters"][name] = parsed
+            if isinstance(parsed, str):
+                out["string_typed"].add(name)
+        elif flag == "-r":
+            src, _, dst = value.partition(":=")
+            if src == "__node":
+                out["name"] = dst
+            elif src == "__ns":
+                out["namespace"] = dst
+            else:
+                out["remappings"].append((src, dst))
+        else:
+            raise AssertionError(f"unexpected flag {flag} in {cmd}")
+    return out
+
+
+ARGUMENT_CASES = {
+    "robot": [{}, {"drafter_model": DRAFTER, "target_model": "on"}],
+    "edge": [{}, {"target_model": TARGET, "robot_namespace": "/robot2"}],
+    "system": [{}, {"scenario": "500mbps_5ms", "drafter_model": DRAFTER, "target_model": TARGET}],
+}
+
+
+# --------------------------------------------------------------------------- one description
+@pytest.mark.parametrize("configuration", graph.CONFIGURATIONS)
+def test_launch_files_and_pip_launcher_start_the_same_nodes(configuration, monkeypatch):
+    for arguments in ARGUMENT_CASES[configuration]:
+        declared, launch_nodes = load_launch_file(configuration, monkeypatch, arguments)
+        assert {n: d for n, (d, _) in declared.items()} == {a.name: a.default for a in graph.launch_arguments(configuration)}
+        pip_nodes = [_from_command(cmd) for _node, cmd in build_commands(configuration, arguments, python="python")]
+        assert [_from_launch(kw) for kw in launch_nodes] == pip_nodes, arguments
+        names = [(n["namespace"], n["name"]) for n in pip_nodes]
+        assert len(set(names)) == len(names)  # no two nodes with one name
+
+
+def test_configurations_hold_the_documented_nodes(monkeypatch):
+    def summary(configuration):
+        return sorted((kw["namespace"], kw["executable"], kw["name"]) for kw in load_launch_file(configuration, monkeypatch)[1])
+
+    robot = [("/robot", "drafter_node", "drafter_node"), ("/robot", "link_monitor_node", "link_monitor")]
+    edge = [("/edge", "link_monitor_node", "link_monitor"), ("/edge", "verifier_node", "verifier_node")]
+    assert summary("robot") == robot
+    assert summary("edge") == edge
+    assert summary("system") == sorted(robot + edge + [("/", "link_emulator_node", "link_emulator")])
+    # With defaults the launch files leave the model names to the parameter files ...
+    assert all(not kw["parameters"][1] for kw in load_launch_file("system", monkeypatch)[1])
+    # ... and the lone edge meets the robot's topics directly; in `system` the emulator relays them.
+    edge_remaps = {kw["name"]: dict(kw["remappings"]) for kw in load_launch_file("edge", monkeypatch)[1]}
+    assert edge_remaps["verifier_node"]["draft_block"] == "/robot/draft_block"
+    assert edge_remaps["link_monitor"]["link_probe_echo"] == "/robot/link_probe_echo"
+    assert all(not kw["remappings"] for kw in load_launch_file("system", monkeypatch)[1])
+
+
+def test_parameter_files_hold_the_demo_defaults():
+    files = {s.params_file for c in graph.CONFIGURATIONS for s in graph.node_specs(c)}
+    assert files == {p.name for p in (ROOT / "config").glob("*.yaml")}
+    params = {}
+    for f in files:
+        data = yaml.safe_load((ROOT / "config" / f).read_text())
+        assert len(data) == 1, f
+        (key, body), = data.items()
+        params[f] = body["ros__parameters"]
+        spec = next(s for c in graph.CONFIGURATIONS for s in graph.node_specs(c) if s.params_file == f)
+        assert key == f"/**/{spec.name}", f  # matches the node in any namespace
+    assert params["drafter.yaml"]["drafter_model"] == DEFAULT_DRAFTER
+    assert params["drafter.yaml"]["target_tokenizer_model"] == DEFAULT_TARGET
+    assert params["verifier.yaml"]["target_model"] == DEFAULT_TARGET
+    assert params["drafter.yaml"]["threads"] == 1 and params["verifier.yaml"]["threads"] == 1
+    assert params["link_emulator.yaml"]["scenario"] == "20mbps_50ms"
+    assert params["verifier.yaml"]["default_channel"] == "20mbps_50ms"
+    assert params["link_monitor_robot.yaml"]["role"] == "robot" and params["link_monitor_edge.yaml"]["role"] == "edge"
+    assert params["link_monitor_robot.yaml"]["probe_qos"] == params["link_monitor_edge.yaml"]["probe_qos"]
+    for f in files:  # every parameter has a comment
+        for line in (ROOT / "config" / f).read_text().splitlines():
+            if re.match(r"^\s{4}\w+:", line):
+                assert "#" in line, f"{f}: parameter without a comment: {line.strip()}"
+
+
+def test_link_topics_are_the_emulators_and_cover_the_nodes():
+    pytest.importorskip("rclpy")
+    from wisv_ros.nodes import link_emulator_node as emu
+
+    assert tuple(s.split(":")[0] for s in emu.DEFAULT_UPLINK_TOPICS) == graph.UPLINK_TOPICS
+    assert tuple(s.split(":")[0] for s in emu.DEFAULT_DOWNLINK_TOPICS) == graph.DOWNLINK_TOPICS
+    link = set(graph.UPLINK_TOPICS) | set(graph.DOWNLINK_TOPICS)
+    for spec in graph.node_specs("system"):
+        assert set(spec.link_topics) <= link, spec.key
+    robot = {t for s in graph.node_specs("robot") for t in s.link_topics}
+    edge = {t for s in graph.node_specs("edge") for t in s.link_topics}
+    assert link == robot and link - {"channel_state"} <= edge and "channel_state" in edge
+    # The probes are best-effort in the monitors' parameter files and in the emulator.
+    assert set(emu.DEFAULT_BEST_EFFORT_TOPICS) == {"link_probe", "link_probe_echo"}
+    emu_params = yaml.safe_load((ROOT / "config" / "link_emulator.yaml").read_text())["/**/link_emulator"]["ros__parameters"]
+    assert (emu_params["robot_namespace"], emu_params["edge_namespace"]) == (graph.ROBOT_NS, graph.EDGE_NS)
+
+
+def test_executables_are_packaged():
+    setup_py = (ROOT / "setup.py").read_text()
+    cmake = (ROOT / "CMakeLists.txt").read_text()
+    assert re.search(r"install\(DIRECTORY launch config DESTINATION share/\$\{PROJECT_NAME\}\)", cmake)
+    for spec in graph.node_specs("system"):
+        script = ROOT / "scripts" / spec.executable
+        assert script.is_file() and os.access(script, os.X_OK), script
+        assert f"from {spec.module} import main" in script.read_text()
+        assert f"scripts/{spec.executable}" in cmake
+        assert f'"{spec.executable} = {spec.module}:main"' in setup_py
+        assert importlib.util.find_spec(spec.module) is not None
+
+
+def test_bad_input_names_the_field():
+    with pytest.raises(ValueError, match="scenario: '5g' is not one of"):
+        graph.resolve("system", {"scenario": "5g"})
+    with pytest.raises(ValueError, match="unknown launch argument.*scenario.*valid: "):
+        graph.resolve("robot", {"scenario": "20mbps_50ms"})
+    with pytest.raises(ValueError, match="drafter_params_file: .*nope.yaml does not exist"):
+        graph.resolve("robot", {"drafter_params_file": "/nope.yaml"})
+    with pytest.raises(ValueError, match="robot_namespace"):
+        graph.resolve("edge", {"robot_namespace": "robot/"})
+    with pytest.raises(ValueError, match="configuration 'robots' is not one of"):
+        graph.node_specs("robots")
+    with pytest.raises(ValueError, match="'link_monitor' is ambiguous"):
+        parse_sets("system", ["link_monitor.probe_period_s:=0.5"])
+    with pytest.raises(ValueError, match="not a node of configuration 'robot'"):
+        parse_sets("robot", ["verifier.threads:=2"])
+    with pytest.raises(ValueError, match="expected <node>.<param>:=<value>"):
+        parse_sets("robot", ["drafter.k=4"])
+    assert parse_sets("system", ["/edge/link_monitor.probe_qos:=reliable", "drafter.k:=4"]) == {
+        "monitor_edge": [("probe_qos", "reliable")], "drafter": [("k", "4")]}
+
+
+def test_string_parameters_survive_the_command_line():
+    for value in ["on", "1.5", "", "20mbps_50ms", "tiny-random:0:64", " x", "a: b"]:
+        assert yaml.safe_load(graph.format_param(value)) == value, value
+    assert graph.format_param(True) == "true" and graph.format_param(2) == "2" and graph.format_param(2.0) == "2.0"
+
+
+# --------------------------------------------------------------------------- real processes
+def _alive(pid: int) -> bool:
+    """The process exists, is not a zombie, and is one of our nodes."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return "State:\tZ" not in status and b"wisv_ros.nodes" in cmdline
+
+
+class LaunchProcess:
+    def __init__(self, args: list[str], log: Path):
+        self.log = log
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "wisv_ros.cli.launch", *args],
+                                         stdout=out, stderr=subprocess.STDOUT, env=env)
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def pids(self) -> dict[str, int]:
+        return {m[0]: int(m[1]) for m in re.findall(r"\[launch\] started (\S+) \(pid (\d+)\)", self.text())}
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match | None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = re.search(pattern, self.text())
+            if m:
+                return m
+            time.sleep(0.2)
+        return None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        for pid in self.pids().values():
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def ros_node():
+    rclpy = pytest.importorskip("rclpy")
+    from wisv_ros.nodes.client import spin_in_background
+
+    rclpy.init()
+    node = rclpy.create_node(f"test_launch_{os.getpid()}")
+    executor, thread = spin_in_background(node)
+    yield node
+    executor.shutdown()
+    thread.join(5.0)
+    node.destroy_node()
+    rclpy.try_shutdown()
+
+
+def _get_parameters(node, full_name: str, names: list[str]) -> dict:
+    """Values of ``names`` on node ``full_name`` ("<not declared>" for unknown ones)."""
+    from rcl_interfaces.srv import GetParameters
+    from rclpy.parameter import parameter_value_to_python
+
+    client = node.create_client(GetParameters, f"{full_name}/get_parameters")
+    try:
+        assert client.wait_for_service(timeout_sec=30.0), f"no parameter service of {full_name}"
+        done = threading.Event()
+        future = client.call_async(GetParameters.Request(names=names))
+        future.add_done_callback(lambda _f: done.set())
+        assert done.wait(30.0), f"get_parameters of {full_name} timed out"
+        return {n: parameter_value_to_python(v) if v.type else "<not declared>"
+                for n, v in zip(names, future.result().values)}
+    finally:
+        node.destroy_client(client)
+
+
+def test_pip_launcher_runs_the_system(ros_node, tmp_path):
+    from wisv_ros.decoding import generate_target_only
+    from wisv_ros.lm import CausalLM
+    from wisv_ros.models import load_model
+    from wisv_ros.msg import ChannelState
+    from wisv_ros.nodes.client import GenerateClient
+    from wisv_ros.nodes.common import RELIABLE_QOS
+
+    n = 24
+    expected = generate_target_only(CausalLM(load_model(TARGET)[0]), PROMPT_IDS, n).token_ids
+    sets = ["verifier.target_dtype:=float32", "drafter.on_edge_loss:=error", "drafter.min_confidence:=0.0"]
+    args = ["system", f"drafter_model:={DRAFTER}", f"target_model:={TARGET}", "scenario:=20mbps_5ms"]
+    for s in sets:
+        args += ["--set", s]
+    states: list = []
+    ros_node.create_subscription(ChannelState, "/edge/channel_state", states.append, RELIABLE_QOS)
+    launch = LaunchProcess(args, tmp_path / "launch.log")
+    try:
+        assert launch.wait_for(r"started link_emulator", 30.0), launch.text()
+        pids = launch.pids()
+        assert set(pids) == {"robot/drafter_node", "robot/link_monitor", "edge/verifier_node", "edge/link_monitor",
+                             "link_emulator"}, launch.text()
+        client = GenerateClient(ros_node, "/robot/generate")
+        assert client.wait_for_server(60.0), launch.text()
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:  # until both models are loaded: the drafter rejects goals, the verifier errs
+            try:
+                outcome = client.generate(" ".join(map(str, PROMPT_IDS)), timeout=120.0, max_new_tokens=n)
+                if "not loaded yet" not in outcome.result.error:
+                    break
+            except RuntimeError:  # rejected
+                pass
+            assert time.monotonic() < deadline, "models not loaded\n" + launch.text()
+            time.sleep(1.0)
+        assert outcome.status_name == "succeeded", outcome.result.error + "\n" + launch.text()
+        assert list(outcome.result.token_ids) == expected
+        assert outcome.result.rounds > 0 and outcome.result.uplink_bytes > 0
+        # The robot monitor measured the emulated link, and its channel_state reached the edge.
+        deadline = time.monotonic() + 30.0
+        while not states and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert states, "no channel_state on /edge/channel_state\n" + launch.text()
+        assert 0.004 < states[-1].rtt_s < 0.05  # 5 ms emulated plus the middleware's own latency
+        # The parameter files and the overrides reached the nodes, and every file parameter is declared.
+        for spec in graph.node_specs("system"):
+            file_params = yaml.safe_load((ROOT / "config" / spec.params_file).read_text())[f"/**/{spec.name}"]["ros__parameters"]
+            expect = dict(file_params)
+            if spec.key == "drafter":
+                expect.update(drafter_model=DRAFTER, target_tokenizer_model=TARGET, on_edge_loss="error", min_confidence=0.0)
+            elif spec.key == "verifier":
+                expect.update(target_model=TARGET, target_dtype="float32", default_channel="20mbps_5ms")
+            elif spec.key == "emulator":
+                expect.update(scenario="20mbps_5ms")
+            assert _get_parameters(ros_node, spec.full_name, list(expect)) == expect, spec.full_name
+        client.client.destroy()
+
+        # A node that dies is reported; the others keep running (no --shutdown-on-exit).
+        os.kill(pids["edge/link_monitor"], signal.SIGKILL)
+        assert launch.wait_for(r"edge/link_monitor died: killed by SIGKILL", 10.0), launch.text()
+        assert launch.proc.poll() is None
+        # SIGTERM: every node stops cleanly, nothing is left behind.
+        launch.proc.send_signal(signal.SIGTERM)
+        rc = launch.proc.wait(60.0)
+        text = launch.text()
+        assert rc == 1, text  # one node died
+        for label in pids:
+            if label != "edge/link_monitor":
+                assert f"[launch] {label}: exit code 0" in text, text
+        assert not [label for label, pid in pids.items() if _alive(pid)], text
+    finally:
+        launch.stop()
+
+
+def test_nodes_do_not_outlive_a_killed_launcher(tmp_path):
+    launch = LaunchProcess(["edge", f"target_model:={TARGET}"], tmp_path / "launch.log")
+    try:
+        assert launch.wait_for(r"started edge/link_monitor", 30.0), launch.text()
+        for label in ("edge/verifier_node", "edge/link_monitor"):  # some output: the node is running
+            assert launch.wait_for(rf"\[{label}\] ", START_TIMEOUT), launch.text()
+        pids = launch.pids()
+        launch.proc.send_signal(signal.SIGKILL)
+        launch.proc.wait(10.0)
+        deadline = time.monotonic() + 30.0
+        while any(_alive(pid) for pid in pids.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [label for label, pid in pids.items() if _alive(pid)]
+    finally:
+        launch.stop()

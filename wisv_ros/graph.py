@@ -1,0 +1,254 @@
+"""The wisv_ros node graph, ROS-free: which nodes run in each configuration, and how.
+
+One description, two ways to start it:
+
+- ``ros2 launch wisv_ros {robot,edge,system}.launch.py [arg:=value ...]`` (machines with a ROS 2
+  install): ``wisv_ros.ros_launch`` turns :func:`resolve` into ``launch_ros.actions.Node`` actions;
+- ``python -m wisv_ros.cli.launch {robot,edge,system} [arg:=value ...]`` (pip-only machines):
+  :func:`command` turns the same :func:`resolve` into ``python -m wisv_ros.nodes.<executable>
+  --ros-args ...`` command lines. ``test/test_launch.py`` checks that the two agree.
+
+Configurations:
+
+- ``robot``: ``drafter_node`` and ``link_monitor`` (role robot) in ``/robot``;
+- ``edge``: ``verifier_node`` and ``link_monitor`` (role edge) in ``/edge``, with the link topics
+  remapped into the robot's namespace (argument ``robot_namespace``) so that robot and edge meet
+  directly across a real network;
+- ``system``: both on one machine, without those remaps, plus ``link_emulator`` relaying the link
+  topics between ``/robot`` and ``/edge`` through an emulated channel (argument ``scenario``).
+
+Link topics (robot -> edge: :data:`UPLINK_TOPICS`, edge -> robot: :data:`DOWNLINK_TOPICS`) are the
+link emulator's default relay lists. ``channel_state`` is published by the robot's monitor, which
+probes the (emulated) link; the drafter reads it in ``/robot`` and the verifier reads the relayed
+copy in ``/edge``. ``round_stats`` stays on the edge.
+
+Launch arguments (:func:`launch_arguments`) are strings, as in ``ros2 launch``; an empty model
+name keeps the parameter file's value. Each node reads one parameter file from ``config/``
+(``<key>_params_file`` replaces it) and then the overrides the arguments give.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from .link import SCENARIOS
+
+__all__ = [
+    "CONFIGURATIONS",
+    "DOWNLINK_TOPICS",
+    "EDGE_NS",
+    "LaunchArgument",
+    "NodeSpec",
+    "PACKAGE",
+    "ROBOT_NS",
+    "ResolvedNode",
+    "UPLINK_TOPICS",
+    "command",
+    "config_dir",
+    "format_param",
+    "launch_arguments",
+    "node_specs",
+    "resolve",
+]
+
+PACKAGE = "wisv_ros"
+ROBOT_NS = "/robot"
+EDGE_NS = "/edge"
+CONFIGURATIONS = ("robot", "edge", "system")
+
+#: robot -> edge and edge -> robot topics (relative names), as relayed by link_emulator_node.
+UPLINK_TOPICS = ("draft_block", "hidden_reply", "channel_state", "link_probe")
+DOWNLINK_TOPICS = ("verdict", "hidden_request", "link_probe_echo")
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeSpec:
+    """One node of the graph, before launch arguments are applied."""
+
+    key: str  # short handle: <key>_params_file argument, `--set <key>.param:=value`
+    executable: str  # console script / lib/wisv_ros launcher; module wisv_ros.nodes.<executable>
+    name: str  # node name (``-r __node:=``)
+    namespace: str  # absolute namespace (``-r __ns:=``)
+    params_file: str  # file name in config/
+    side: str  # "robot", "edge" or "link": where it runs
+    #: link topics this node publishes or subscribes (relative names); remapped on a lone edge
+    link_topics: tuple[str, ...] = ()
+    package: str = PACKAGE
+
+    @property
+    def module(self) -> str:
+        return f"{self.package}.nodes.{self.executable}"
+
+    @property
+    def full_name(self) -> str:
+        return f"{self.namespace.rstrip('/')}/{self.name}"
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchArgument:
+    name: str
+    default: str
+    description: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedNode:
+    """A node with its launch arguments applied: what both launch routes start."""
+
+    spec: NodeSpec
+    params_file: str  # absolute path
+    parameters: dict  # overrides after the file, name -> value (str, bool, int, float)
+    remappings: tuple[tuple[str, str], ...]
+
+    # Shortcuts for the launch code.
+    package = property(lambda self: self.spec.package)
+    executable = property(lambda self: self.spec.executable)
+    name = property(lambda self: self.spec.name)
+    namespace = property(lambda self: self.spec.namespace)
+
+
+_DRAFTER = NodeSpec("drafter", "drafter_node", "drafter_node", ROBOT_NS, "drafter.yaml", "robot",
+                    ("draft_block", "hidden_reply", "channel_state", "verdict", "hidden_request"))
+_MONITOR_ROBOT = NodeSpec("monitor_robot", "link_monitor_node", "link_monitor", ROBOT_NS,
+                          "link_monitor_robot.yaml", "robot", ("link_probe", "link_probe_echo", "channel_state"))
+_VERIFIER = NodeSpec("verifier", "verifier_node", "verifier_node", EDGE_NS, "verifier.yaml", "edge",
+                     ("draft_block", "hidden_reply", "channel_state", "verdict", "hidden_request"))
+_MONITOR_EDGE = NodeSpec("monitor_edge", "link_monitor_node", "link_monitor", EDGE_NS,
+                         "link_monitor_edge.yaml", "edge", ("link_probe", "link_probe_echo"))
+_EMULATOR = NodeSpec("emulator", "link_emulator_node", "link_emulator", "/", "link_emulator.yaml", "link")
+
+_NODES = {
+    "robot": (_DRAFTER, _MONITOR_ROBOT),
+    "edge": (_VERIFIER, _MONITOR_EDGE),
+    "system": (_DRAFTER, _MONITOR_ROBOT, _VERIFIER, _MONITOR_EDGE, _EMULATOR),
+}
+
+#: launch argument -> the (node key, parameter) pairs it sets when not empty
+_ARG_TARGETS = {
+    "drafter_model": (("drafter", "drafter_model"),),
+    "target_model": (("drafter", "target_tokenizer_model"), ("verifier", "target_model")),
+    "scenario": (("emulator", "scenario"), ("verifier", "default_channel")),
+}
+_ARG_HELP = {
+    "drafter_model": "drafter model spec (registry name, HF folder, .gguf, tiny-random:...); '' = the params file's",
+    "target_model": "target model spec; sets the verifier's target_model and the drafter's "
+                    "target_tokenizer_model; '' = the params files'",
+    "scenario": "emulated channel, one of " + ", ".join(SCENARIOS) + "; also the verifier's "
+                "default_channel; '' = the params files'",
+    "robot_namespace": "namespace of the robot's nodes, into which the edge's link topics are remapped",
+}
+
+
+def _check_configuration(configuration: str) -> None:
+    if configuration not in CONFIGURATIONS:
+        raise ValueError(f"configuration {configuration!r} is not one of {', '.join(CONFIGURATIONS)}")
+
+
+def node_specs(configuration: str) -> tuple[NodeSpec, ...]:
+    """The nodes of ``configuration`` ("robot", "edge" or "system")."""
+    _check_configuration(configuration)
+    return _NODES[configuration]
+
+
+def config_dir() -> Path:
+    """Folder of the parameter files: ``config/`` of this source checkout (pip route, colcon
+    ``--symlink-install``), else the installed ``share/wisv_ros/config`` (ament index)."""
+    checkout = Path(__file__).resolve().parents[1]
+    if (checkout / "package.xml").is_file() and (checkout / "config").is_dir():
+        return checkout / "config"
+    from ament_index_python.packages import get_package_share_directory
+
+    return Path(get_package_share_directory(PACKAGE)) / "config"
+
+
+def launch_arguments(configuration: str, config: Path | None = None) -> tuple[LaunchArgument, ...]:
+    """The launch arguments of ``configuration`` with their defaults (all strings)."""
+    specs = node_specs(configuration)
+    keys = {s.key for s in specs}
+    config = config_dir() if config is None else Path(config)
+    args = [LaunchArgument(name, "", _ARG_HELP[name]) for name, targets in _ARG_TARGETS.items()
+            if any(key in keys for key, _ in targets) and (name != "scenario" or "emulator" in keys)]
+    if configuration == "edge":
+        args.append(LaunchArgument("robot_namespace", ROBOT_NS, _ARG_HELP["robot_namespace"]))
+    for s in specs:
+        args.append(LaunchArgument(f"{s.key}_params_file", str(config / s.params_file),
+                                   f"parameter file of {s.full_name} ({s.executable})"))
+    return tuple(args)
+
+
+def _check_namespace(value: str) -> str:
+    if not value.startswith("/") or value.endswith("/") or "//" in value or " " in value:
+        raise ValueError(f"launch argument robot_namespace: {value!r} must be an absolute namespace "
+                         "without a trailing '/', e.g. /robot")
+    return value
+
+
+def resolve(configuration: str, arguments: dict[str, str] | None = None,
+            config: Path | None = None) -> list[ResolvedNode]:
+    """Apply launch ``arguments`` (name -> string; missing ones take their defaults).
+
+    Raises:
+        ValueError: unknown configuration or argument name, a bad value, or a missing params file;
+            the message names the argument and the valid choices.
+    """
+    declared = {a.name: a for a in launch_arguments(configuration, config)}
+    arguments = dict(arguments or {})
+    unknown = sorted(set(arguments) - set(declared))
+    if unknown:
+        raise ValueError(f"unknown launch argument(s) {', '.join(unknown)} for configuration "
+                         f"{configuration!r}; valid: {', '.join(declared)}")
+    values = {name: str(arguments.get(name, a.default)) for name, a in declared.items()}
+    scenario = values.get("scenario", "")
+    if scenario and scenario not in SCENARIOS:
+        raise ValueError(f"launch argument scenario: {scenario!r} is not one of {', '.join(SCENARIOS)}")
+    robot_ns = _check_namespace(values["robot_namespace"]) if "robot_namespace" in values else None
+
+    nodes = []
+    for spec in node_specs(configuration):
+        params_file = Path(values[f"{spec.key}_params_file"]).expanduser()
+        if not params_file.is_file():
+            raise ValueError(f"launch argument {spec.key}_params_file: {params_file} does not exist")
+        overrides = {param: values[arg] for arg, targets in _ARG_TARGETS.items()
+                     for key, param in targets if key == spec.key and values.get(arg)}
+        remaps = ()
+        if robot_ns is not None and spec.side == "edge":
+            remaps = tuple((t, f"{robot_ns}/{t}") for t in spec.link_topics)
+        nodes.append(ResolvedNode(spec, str(params_file.resolve()), overrides, remaps))
+    return nodes
+
+
+def format_param(value) -> str:
+    """A parameter value for ``-p name:=<value>``; rcl reads it as YAML, so strings that YAML
+    would read as something else ("on", "1.5", "") are double-quoted."""
+    import json
+
+    import yaml
+
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        text = repr(value)
+        return text if isinstance(value, int) or any(c in text for c in ".en") else text + ".0"
+    if isinstance(value, str):
+        try:
+            plain = yaml.safe_load(value) == value
+        except yaml.YAMLError:
+            plain = False
+        return value if plain and value.strip() == value and value else json.dumps(value)
+    raise TypeError(f"parameter value {value!r}: only str, bool, int and float are supported")
+
+
+def command(node: ResolvedNode, python: str, extra: list[tuple[str, str]] = ()) -> list[str]:
+    """The pip route's command line of ``node``: ``python -m wisv_ros.nodes.<executable> --ros-args``
+    with the name, namespace, params file, overrides, remaps, then ``extra`` (name, raw value) pairs
+    given as ``-p name:=value`` unchanged (the user's YAML, as with ``ros2 run``)."""
+    cmd = [python, "-m", node.spec.module, "--ros-args",
+           "-r", f"__node:={node.name}", "-r", f"__ns:={node.namespace}",
+           "--params-file", node.params_file]
+    for name, value in node.parameters.items():
+        cmd += ["-p", f"{name}:={format_param(value)}"]
+    for name, value in extra:
+        cmd += ["-p", f"{name}:={value}"]
+    for src, dst in node.remappings:
+        cmd += ["-r", f"{src}:={dst}"]
+    return cmd
