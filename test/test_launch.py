@@ -5,8 +5,8 @@
   (put into ``sys.modules`` only inside the test; the real packages are not installable here),
   and their Node actions are compared with the command lines of ``python -m wisv_ros.cli.launch``.
 - The parameter files, executables and link topics are checked against the nodes and packaging.
-- ``python -m wisv_ros.cli.launch system`` with tiny models comes up, answers a Generate goal with
-  the target's own greedy output, relays the robot monitor's channel_state to the edge, reports a
+- ``python -m wisv_ros.cli.launch system`` with tiny models comes up, answers a Generate goal (and
+  ``python -m wisv_ros.cli.ask``) with the target's own greedy output, relays the robot monitor's channel_state to the edge, reports a
   node that dies, and stops with no process left; a launcher killed with SIGKILL takes its nodes
   with it (PR_SET_PDEATHSIG).
 
@@ -402,6 +402,16 @@ def test_pip_launcher_runs_the_system(ros_node, tmp_path):
                 expect.update(scenario="20mbps_5ms")
             assert _get_parameters(ros_node, spec.full_name, list(expect)) == expect, spec.full_name
         client.client.destroy()
+        # The ask CLI (what tools/demo.sh runs) streams the same text and prints the stats table.
+        ask = subprocess.run([sys.executable, "-m", "wisv_ros.cli.ask", "--prompt", " ".join(map(str, PROMPT_IDS)),
+                              "--max-new-tokens", str(n), "--wait", "60", "--timeout", "120"],
+                             capture_output=True, text=True, timeout=240)
+        assert ask.returncode == 0, ask.stdout + ask.stderr
+        lines = ask.stdout.splitlines()
+        assert lines[0].split() == [str(i) for i in expected], ask.stdout
+        assert lines[1].split()[:7] == ["tokens", "rounds", "aal", "latency_s", "tokens_per_s", "uplink_bytes",
+                                        "downlink_bytes"], ask.stdout
+        assert lines[3].split()[0] == str(n) and "channel measured by the link monitor" in ask.stdout
 
         # A node that dies is reported; the others keep running (no --shutdown-on-exit).
         os.kill(pids["edge/link_monitor"], signal.SIGKILL)

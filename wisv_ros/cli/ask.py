@@ -28,6 +28,7 @@ __all__ = ["main"]
 DEFAULT_PROMPT = ("Write a Python function clamp_velocity(vx, vy, v_max) that scales a planar robot "
                   "velocity so that its norm is at most v_max, keeping the direction.")
 COLUMNS = ["tokens", "rounds", "aal", "latency_s", "tokens_per_s", "uplink_bytes", "downlink_bytes"]
+OPTIONAL_FIELDS = ("draft_time_s", "round_trip_s", "edge_time_s")
 NOT_LOADED = "not loaded yet"  # verifier_node's verdict error while its model loads
 
 
@@ -197,7 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     r = outcome.result
     row = {"tokens": len(r.token_ids), "rounds": r.rounds, "aal": round(r.aal, 2), "latency_s": round(r.latency_s, 2),
            "tokens_per_s": round(r.tokens_per_s, 2), "uplink_bytes": r.uplink_bytes, "downlink_bytes": r.downlink_bytes}
-    print(format_table([row], COLUMNS))
+    columns = list(COLUMNS)
+    for field in OPTIONAL_FIELDS:  # result fields of newer interface versions, shown when present
+        if hasattr(r, field):
+            row[field] = round(float(getattr(r, field)), 2)
+            columns.append(field)
+    print(format_table([row], columns))
     if channel:
         c = channel[-1]
         print(f"channel measured by the link monitor: rate {c.rate_bps / 1e6:.1f} Mbit/s, PER {c.per:.3f}, "
