@@ -12,7 +12,7 @@ the result's tokens, rounds, AAL, latency, tokens/s and uplink/downlink bytes, p
 the robot's link monitor measured (``<ns>/channel_state``) at the end.
 
 Exit status: 0 done, 1 the goal was aborted or a model failed to load, 2 timeout (or the
-``--launcher-pid`` process ended while waiting).
+``--launcher-pid`` process ended while waiting), 130 Ctrl-C (a running goal is canceled first).
 """
 from __future__ import annotations
 
@@ -161,12 +161,15 @@ def main(argv: list[str] | None = None) -> int:
 
     import rclpy
     from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
+    from rclpy.signals import SignalHandlerOptions
 
     from ..metrics import format_table
     from ..msg import ChannelState
     from ..nodes.client import GenerateClient, spin_in_background
 
-    rclpy.init(args=None)
+    # No rclpy signal handler: Ctrl-C raises KeyboardInterrupt here while the context stays up,
+    # so that the running goal can still be canceled.
+    rclpy.init(args=None, signal_handler_options=SignalHandlerOptions.NO)
     node = rclpy.create_node(f"wisv_ask_{os.getpid()}")
     executor, spin_thread = spin_in_background(node)
     channel: list = []
@@ -182,7 +185,18 @@ def main(argv: list[str] | None = None) -> int:
         run = _start_goal(client, args.prompt, goal, waiter)
         print(f"[ask] models ready after {time.monotonic() - waiter.t0:.0f} s; prompt: {args.prompt!r}",
               file=sys.stderr, flush=True)
-        outcome = _stream(run, args.timeout)
+        try:
+            outcome = _stream(run, args.timeout)
+        except KeyboardInterrupt:
+            print("\n[ask] interrupted: canceling the goal", file=sys.stderr)
+            try:
+                run.cancel(timeout=5.0)
+            except TimeoutError:
+                pass
+            raise
+    except KeyboardInterrupt:
+        print("[ask] interrupted", file=sys.stderr)
+        return 130
     except TimeoutError as exc:
         print(f"[ask] error: {exc}", file=sys.stderr)
         return 2
