@@ -40,7 +40,7 @@ def spin_in_background(node: Node) -> tuple[SingleThreadedExecutor, threading.Th
     One executor thread (see ``common.run_node`` for why not rclpy's MultiThreadedExecutor);
     the calls of this module wait in the caller's thread, never in a callback.
     """
-    executor = SingleThreadedExecutor()
+    executor = SingleThreadedExecutor(context=node.context)
     executor.add_node(node)
     thread = threading.Thread(target=executor.spin, name=f"spin_{node.get_name()}", daemon=True)
     thread.start()

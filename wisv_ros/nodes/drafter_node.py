@@ -24,6 +24,15 @@ again (if a verifier is subscribed), sending the whole committed context with th
 verdict that comes back ends drafter-only mode. A verdict ``unknown request`` (verifier restarted)
 makes the next block carry the whole context. Stale, duplicate and foreign verdicts are ignored.
 
+SwitchSD copy mode runs on the verifier (its parameter ``copy``): each block carries the request's
+remaining token budget (``copy_budget``); tokens the verifier copied from the context after the
+block end the verdict's ``committed_ids`` and are committed like the others (the drafter's cache
+catches up on its next pass). The result counts them (``copy_rounds``, ``copied_tokens``); its
+``rounds`` are round trips and ``aal`` is tokens per round trip, copied tokens included.
+The result's timing: ``draft_time_s`` (drafting), ``round_trip_s`` (block published -> verdict
+received), ``edge_time_s`` (of that, on the edge by the verdicts' ``edge_time_s``); so
+``round_trip_s - edge_time_s`` is the link plus the ROS and serialization overhead.
+
 Threads: the node spins one executor thread (``common.run_node``) whose callbacks never block;
 each goal's rounds run in a thread of their own (``common.offload``), which waits for its verdict
 on a condition variable that the verdict callback sets.
@@ -83,6 +92,12 @@ def load_tokenizer(spec: str):
         path = Path(spec).expanduser()
         return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     return AutoTokenizer.from_pretrained(resolve(spec))
+
+
+def _new_totals() -> dict:
+    """Per-goal sums behind the Generate result's stats."""
+    return {"up": 0, "down": 0, "draft_s": 0.0, "round_trip_s": 0.0, "edge_s": 0.0, "hidden_requests": 0,
+            "copy_rounds": 0, "copied": 0}
 
 
 class _GoalFailed(Exception):
@@ -148,7 +163,7 @@ class DrafterNode(Node):
         self._request_ids: collections.deque[str] = collections.deque(maxlen=64)  # recent requests of this node
         self._verdict = None
         self._last_block: tuple[str, int, np.ndarray] | None = None  # for hidden requests
-        self._bytes = {"up": 0, "down": 0}  # of the running goal
+        self._totals = _new_totals()  # of the running goal
         self._channel: LinkChannel | None = None
         self._mean_mismatch = 0.0
         self._loader = threading.Thread(target=self._load, name="load_model", daemon=True)
@@ -229,7 +244,7 @@ class DrafterNode(Node):
             result = Result()
             out: list[int] = []
             rounds = 0
-            self._bytes = {"up": 0, "down": 0}
+            self._totals = _new_totals()
             try:
                 cfg = self._goal_config(goal_handle.request)
                 rounds = self._run(goal_handle, cfg, out)
@@ -246,8 +261,11 @@ class DrafterNode(Node):
             result.aal = len(out) / rounds if rounds else 0.0
             result.latency_s = latency
             result.tokens_per_s = len(out) / latency if latency > 0 else 0.0
-            result.uplink_bytes = self._bytes["up"]
-            result.downlink_bytes = self._bytes["down"]
+            t = self._totals
+            result.uplink_bytes, result.downlink_bytes = t["up"], t["down"]
+            result.draft_time_s, result.round_trip_s, result.edge_time_s = t["draft_s"], t["round_trip_s"], t["edge_s"]
+            result.copy_rounds, result.copied_tokens = t["copy_rounds"], t["copied"]
+            result.hidden_requests = t["hidden_requests"]
             if status == "canceled":
                 result.error = "canceled"
                 goal_handle.canceled()
@@ -310,13 +328,15 @@ class DrafterNode(Node):
             if goal_handle.is_cancel_requested:
                 break
             block = drafter.draft(cfg["k"])
+            self._totals["draft_s"] += block.drafter_time_s
             if not block.token_ids:
                 raise _GoalFailed(f"round {round_id}: the drafter proposed no token (cross-tokenizer alignment)")
             use_edge = not edge_down or (time.monotonic() >= next_try and self._block_pub.get_subscription_count() > 0)
             committed = None
             if use_edge:
                 msg = self._block_msg(request_id, round_id, block, cfg,
-                                      context=t_prompt + drafter.committed if need_context else None)
+                                      context=t_prompt + drafter.committed if need_context else None,
+                                      copy_budget=cfg["max_new_tokens"] - len(out) - len(block.token_ids) - 1)
                 verdict, err = self._exchange(msg, timeout)
                 for attempt in range(1, (0 if edge_down else retries) + 1):  # no resends of a probe of a lost edge
                     if verdict is not None or goal_handle.is_cancel_requested:
@@ -334,6 +354,10 @@ class DrafterNode(Node):
                     committed = [int(i) for i in verdict.committed_ids]
                     need_context, edge_down, resends = False, False, 0
                     self._observe_mismatches(len(block.token_ids), int(verdict.accepted_count))
+                    with self._cv:
+                        self._totals["edge_s"] += float(verdict.edge_time_s)
+                        self._totals["copy_rounds"] += int(verdict.copy_rounds)
+                        self._totals["copied"] += int(verdict.copied_count)
                 elif verdict is not None and verdict.error.startswith(UNKNOWN_REQUEST) and resends < 2:
                     # The verifier lost this request (restart): draft again, send the whole context.
                     self.get_logger().info(f"request {request_id}: {err}")
@@ -385,7 +409,8 @@ class DrafterNode(Node):
         fmt = WireFormat(hidden_dim=self._lm.hidden_size)
         return choose_protocol(fmt, k, self._channel, min(self._mean_mismatch, k)).value
 
-    def _block_msg(self, request_id: str, round_id: int, block, cfg: dict, context: list[int] | None):
+    def _block_msg(self, request_id: str, round_id: int, block, cfg: dict, context: list[int] | None,
+                   copy_budget: int = 0):
         msg = self._DraftBlock()
         stamp_now(self, msg.header)
         msg.request_id = request_id
@@ -406,6 +431,7 @@ class DrafterNode(Node):
             # float32: the acceptance ratio must use the distribution the drafter sampled from.
             fill_tensor(msg.draft_probs, block.probs.float().numpy(), "float32", "draft_probs")
         msg.drafter_time = block.drafter_time_s
+        msg.copy_budget = max(0, copy_budget)
         with self._cv:
             self._last_block = (request_id, round_id, block.hidden)
         return msg
@@ -416,25 +442,30 @@ class DrafterNode(Node):
         with self._cv:
             self._awaiting, self._verdict = key, None
         self._count_bytes(up=msg_bytes(msg))
+        t0 = time.perf_counter()
         self._block_pub.publish(msg)
         with self._cv:
             self._cv.wait_for(lambda: self._verdict is not None, timeout)
             verdict, self._awaiting = self._verdict, None
+            if verdict is not None:
+                self._totals["round_trip_s"] += time.perf_counter() - t0
         if verdict is None:
             return None, f"no verdict within verdict_timeout_s = {timeout} s"
         self._count_bytes(down=msg_bytes(verdict))
         if verdict.error:
             return verdict, f"verifier error: {verdict.error}"
         n = len(verdict.committed_ids)
-        if not 1 <= n <= len(msg.token_ids) + 1 or verdict.committed_length != msg.prefix_length + n:
-            return verdict, (f"inconsistent verdict: {n} committed ids, committed_length {verdict.committed_length}, "
-                             f"block prefix_length {msg.prefix_length}")
+        copied = int(verdict.copied_count)
+        if (not 1 <= n - copied <= len(msg.token_ids) + 1 or verdict.committed_length != msg.prefix_length + n
+                or (copied and not msg.copy_budget)):
+            return verdict, (f"inconsistent verdict: {n} committed ids ({copied} copied), committed_length "
+                             f"{verdict.committed_length}, block prefix_length {msg.prefix_length}")
         return verdict, None
 
     def _count_bytes(self, up: int = 0, down: int = 0) -> None:
         with self._cv:
-            self._bytes["up"] += up
-            self._bytes["down"] += down
+            self._totals["up"] += up
+            self._totals["down"] += down
 
     def _on_verdict(self, msg) -> None:
         with self._cv:
@@ -464,6 +495,8 @@ class DrafterNode(Node):
         reply.request_id, reply.round_id = msg.request_id, msg.round_id
         fill_hidden(reply.hidden, hidden[positions], positions, HIDDEN_WIRE_DTYPE)
         self._count_bytes(up=msg_bytes(reply), down=msg_bytes(msg))
+        with self._cv:
+            self._totals["hidden_requests"] += 1
         self._reply_pub.publish(reply)
 
     def _on_channel_state(self, msg) -> None:

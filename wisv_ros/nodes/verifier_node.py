@@ -19,6 +19,15 @@ Idempotent resends: the last verdict of each request is kept; a block with the r
 and token_ids of the last verified round (the drafter resends a block whose verdict it did not get in
 time, see drafter_node ``verdict_retries``) is answered with that verdict again, not verified twice.
 
+SwitchSD copy mode (parameter ``copy``: off | ngram | probe): after verifying a block, while the
+context's last ``copy_kappa`` tokens occurred earlier (and, with ``probe``, the copy probe fires on
+the target's hidden state at the last committed position), the verifier drafts up to
+``copy_width`` continuations of ``copy_depth`` tokens from the context and verifies them in one
+tree pass (``Verifier.copy_round``), with no round trip to the robot; at most
+``copy_max_rounds`` rounds and the block's ``copy_budget`` tokens. The copied tokens end the
+verdict's ``committed_ids`` (``copied_count``, ``copy_rounds``) and the robot's drafter catches up
+on its next pass. Copy rounds verify greedily: blocks of method reject get none.
+
 Threads: the node spins one executor thread (``common.run_node``) whose callbacks never block: the
 block callback queues the block, and one verification thread takes blocks in arrival order and
 runs the target; hidden replies and channel states are handled by the executor meanwhile.
@@ -51,6 +60,7 @@ __all__ = ["VerifierNode", "main"]
 
 _PROTO_NAME = {0: "ids", 1: "fh", 2: "sh"}  # DraftBlock.PROTOCOL_*
 DTYPES = ("float32", "bfloat16", "float16")
+COPY_MODES = ("off", "ngram", "probe")
 
 
 class BlockError(ValueError):
@@ -82,6 +92,18 @@ class VerifierNode(Node):
         declare(self, "max_requests", 16, "requests whose verifier state is kept (oldest dropped first)", lo=1, hi=4096)
         declare(self, "seed", 0, "seed of rejection sampling", lo=0, hi=2**31 - 1)
         declare(self, "threads", 1, "torch CPU threads", lo=1, hi=256)
+        declare(self, "copy", "off", "SwitchSD copy mode after each block: off; ngram (copy whenever the last copy_kappa "
+                "tokens occurred before: the probe-less baseline); probe (only when the copy probe fires too)",
+                choices=COPY_MODES)
+        declare(self, "probe_path", "", "copy probe (.npz from python -m wisv_ros.cli.probe train), needed by copy=probe")
+        declare(self, "copy_kappa", 5, "copy mode: suffix tokens to match in the context (kappa)", lo=1, hi=64)
+        declare(self, "copy_width", 4, "copy mode: candidate continuations verified per copy round (W)", lo=1, hi=64)
+        declare(self, "copy_depth", 16, "copy mode: tokens per candidate (D)", lo=1, hi=256)
+        declare(self, "copy_max_rounds", 32, "copy mode: at most this many copy rounds after one block", lo=1, hi=100000)
+        if self._param("copy") not in COPY_MODES:
+            raise ValueError(f"parameter copy: '{self._param('copy')}' is not one of {', '.join(COPY_MODES)}")
+        if self._param("copy") == "probe" and not self._param("probe_path"):
+            raise ValueError("parameter probe_path: copy=probe needs a probe file (.npz); set probe_path or use copy:=ngram")
         if self._param("target_dtype") not in DTYPES:
             raise ValueError(f"parameter target_dtype: '{self._param('target_dtype')}' is not one of {', '.join(DTYPES)}")
         if self._param("default_channel") not in SCENARIOS:
@@ -89,7 +111,7 @@ class VerifierNode(Node):
         if self._param("method") not in ("greedy", "reject", "wisv"):
             raise ValueError(f"parameter method: '{self._param('method')}' is not one of greedy, reject, wisv")
         self.add_on_set_parameters_callback(frozen_after_start(
-            {"target_model", "target_dtype", "threads", "channel_deadline_s", "head_path"},
+            {"target_model", "target_dtype", "threads", "channel_deadline_s", "head_path", "copy", "probe_path"},
             {"method": ("greedy", "reject", "wisv"), "default_channel": tuple(SCENARIOS)},
         ))
 
@@ -114,6 +136,8 @@ class VerifierNode(Node):
         self._sessions: collections.OrderedDict[str, _Session] = collections.OrderedDict()
         self._channel: LinkChannel | None = None  # latest channel state (input of the WISV head)
         self._head_judge = None  # wisv_ros.head.make_judge(...) once the head is loaded
+        self._probe = None  # wisv_ros.probe.CopyProbe with copy=probe
+        self._copy = None  # wisv_ros.decoding.CopyConfig unless copy=off
         self._warned: set[str] = set()
         self._hcv = threading.Condition()
         self._h_awaiting: tuple[str, int] | None = None
@@ -137,7 +161,15 @@ class VerifierNode(Node):
             spec = self._param("target_model")
             t0 = time.perf_counter()
             model, tok = load_model(spec, dtype=self._param("target_dtype"))
-            lm = CausalLM(model, tok)
+            capture = []
+            if self._param("copy") == "probe":
+                from ..probe import load_probe
+
+                self._probe = load_probe(self._param("probe_path"))
+                capture = [(self._probe.layer, self._probe.kind)]
+            lm = CausalLM(model, tok, capture=capture)
+            if self._probe is not None and self._probe.d_model != lm.hidden_size:
+                raise ValueError(f"probe {self._param('probe_path')} expects hidden size {self._probe.d_model}, the target has {lm.hidden_size}")
             head_path = self._param("head_path")
             if head_path:
                 from ..head import OnnxHead, make_judge
@@ -146,6 +178,7 @@ class VerifierNode(Node):
                 if head.d_target != lm.hidden_size:
                     raise ValueError(f"head {head_path} expects target hidden size {head.d_target}, the target has {lm.hidden_size}")
                 self._head_judge = make_judge(head, self._channel_state)
+            self._copy = self._copy_config()
             self._lm = lm
             self.get_logger().info(f"target {spec} loaded in {time.perf_counter() - t0:.1f} s"
                                    + (f"; decision head {head_path}" if head_path else "; no decision head"))
@@ -226,7 +259,7 @@ class VerifierNode(Node):
         uplink_s = stamp_age_s(self, msg.header.stamp)
         self._round_extra = {"up": 0, "down": 0, "wait_s": 0.0}
         try:
-            verdict, core_block, core_verdict, proto = self._verify(msg)
+            verdict, core_block, core_verdict, proto, copies = self._verify(msg)
         except ValueError as exc:  # BlockError, WireError and the core's own checks
             self._publish_error(msg, str(exc))
             return
@@ -234,6 +267,7 @@ class VerifierNode(Node):
             self.get_logger().error(f"verifying request {msg.request_id} round {msg.round_id} failed: {exc!r}")
             self._publish_error(msg, f"internal error: {type(exc).__name__}: {exc}")
             return
+        verdict.edge_time_s = max(0.0, time.perf_counter() - t_recv - self._round_extra["wait_s"])
         stamp_now(self, verdict.header)
         self._remember(msg, verdict)
         self._verdict_pub.publish(verdict)
@@ -254,6 +288,16 @@ class VerifierNode(Node):
         stats.protocol = proto
         stats.copy_mode = False
         self._stats_pub.publish(stats)
+        for c in copies:  # the copy rounds that followed the block (no link traffic of their own)
+            cs = self._RoundStats()
+            cs.header = stats.header
+            cs.request_id, cs.round_id = msg.request_id, msg.round_id
+            cs.drafted = cs.accepted = c.accepted_count
+            cs.committed = len(c.committed_ids)
+            cs.target_time_s = cs.round_time_s = c.target_time_s
+            cs.protocol = proto
+            cs.copy_mode = True
+            self._stats_pub.publish(cs)
 
     def _publish_error(self, msg, error: str) -> None:
         self.get_logger().warning(f"request {msg.request_id} round {msg.round_id}: {error}")
@@ -328,21 +372,56 @@ class VerifierNode(Node):
         session.last_round = rnd  # a retry of this round is refused even if verification fails
         self._verifying = (rid, rnd)
         v.method, v.tau = method, float(msg.tau)
+        v.copy = self._copy if method != Method.REJECT else None  # copy rounds verify greedily
         if method == Method.REJECT:
             v.temperature = float(msg.temperature)
         block = CoreBlock(token_ids=draft, hidden=hidden, probs=probs, prefix_length=int(msg.prefix_length),
                           drafter_time_s=float(msg.drafter_time))
         self._current = (rid, rnd, proto)
         core_verdict = v.verify(block)
+        copies = self._copy_rounds(v, core_verdict.committed_ids, int(msg.copy_budget))
 
         out = self._Verdict()
         out.request_id, out.round_id = rid, rnd
         out.accepted_count = core_verdict.accepted_count
         out.correction_id = core_verdict.correction_id
-        out.committed_ids = core_verdict.committed_ids
+        copied = [t for c in copies for t in c.committed_ids]
+        out.committed_ids = list(core_verdict.committed_ids) + copied
         out.committed_length = len(v.context)
-        out.copy_mode = False
-        return out, block, core_verdict, proto
+        out.copy_mode = bool(copies)
+        out.copied_count = len(copied)
+        out.copy_rounds = len(copies)
+        return out, block, core_verdict, proto, copies
+
+    def _copy_rounds(self, v: Verifier, committed: list[int], budget: int) -> list:
+        """SwitchSD: copy rounds after a block while copy mode holds, at most ``budget`` tokens
+        (the last round may pass it: the robot clips) and ``copy_max_rounds`` rounds; none after
+        an end-of-sequence token."""
+        eos = self._lm.eos_ids()
+        if v.copy is None or budget <= 0 or eos.intersection(committed):
+            return []
+        copies, copied = [], 0
+        for _ in range(int(self._param("copy_max_rounds"))):
+            c = v.copy_round()
+            if c is None:
+                break
+            copies.append(c)
+            copied += len(c.committed_ids)
+            if copied >= budget or eos.intersection(c.committed_ids):
+                break
+        return copies
+
+    def _copy_config(self):
+        from ..decoding import CopyConfig
+
+        mode = self._param("copy")
+        if mode == "off":
+            return None
+        sizes = dict(kappa=int(self._param("copy_kappa")), width=int(self._param("copy_width")),
+                     depth=int(self._param("copy_depth")))
+        if mode == "ngram":
+            return CopyConfig(gate=None, **sizes)
+        return CopyConfig(gate=self._probe.fires, layer=(self._probe.layer, self._probe.kind), **sizes)
 
     @staticmethod
     def _check_ids(field: str, ids: list[int], vocab: int) -> None:

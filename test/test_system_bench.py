@@ -1,0 +1,42 @@
+"""python -m wisv_ros.cli.system_bench end to end with tiny models: real node graphs (direct and
+through the link emulator), every configuration, the in-process baselines, CSV and plot."""
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("rclpy")
+
+
+def test_system_bench_runs_the_graph_and_accounts_the_link(tmp_path):
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "wisv_ros.cli.system_bench", "--drafter", "tiny-random:0:64:0.05",
+           "--target", "tiny-random:0:64", "--target-dtype", "float32", "--prompt", "5 9 12 3",
+           "--max-new-tokens", "24", "--k", "4", "--min-confidence", "0", "--scenarios", "direct,20mbps_5ms",
+           "--configs", "greedy,fh,sh", "--out", str(out), "--wait", "120", "--timeout", "120"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {(r["scenario"], r["config"]): r for r in csv.DictReader(open(out / "summary.csv"))}
+    assert set(rows) == {(s, c) for s in ("direct", "20mbps_5ms")
+                         for c in ("greedy", "fh", "sh", "target_stream", "colocated")}
+    f = {key: {k: float(v) for k, v in r.items() if k not in ("scenario", "config")} for key, r in rows.items()}
+    for s in ("direct", "20mbps_5ms"):
+        assert all(f[(s, c)]["tokens"] == 24 for c in ("greedy", "fh", "sh", "target_stream", "colocated"))
+        assert f[(s, "fh")]["up_B"] > f[(s, "greedy")]["up_B"] + 3 * 32 * 2  # K hiddens ride on each block
+        assert f[(s, "sh")]["down_B"] > f[(s, "greedy")]["down_B"]  # hidden requests went down
+        assert f[(s, "target_stream")]["rounds"] == 24  # one token per target pass
+    assert f[("direct", "greedy")]["nominal_ms"] == pytest.approx(0.0, abs=1e-3)
+    # 5 ms RTT per exchange: the link time of a round is at least the emulated delay, and SH's
+    # hidden exchanges add RTTs to its nominal delay.
+    for c in ("greedy", "fh", "sh"):
+        link = f[("20mbps_5ms", c)]
+        assert link["nominal_ms"] >= 5.0 and link["link_ms"] >= 0.9 * link["nominal_ms"]
+        assert link["overhead_ms"] == pytest.approx(link["link_ms"] - link["nominal_ms"], abs=1e-6)
+    assert f[("20mbps_5ms", "sh")]["nominal_ms"] > f[("20mbps_5ms", "greedy")]["nominal_ms"] + 1.0
+    # The link costs the remote configurations more than the co-located one.
+    assert f[("20mbps_5ms", "greedy")]["ms_per_token"] > f[("direct", "greedy")]["ms_per_token"]
+    assert (out / "rows.csv").is_file() and (out / "latency_per_token.png").stat().st_size > 1000
