@@ -501,8 +501,12 @@ def generate_target_only(
     on_commit: Callable[[list[int]], None] | None = None,
     stats: DecodeStats | None = None,
     chat: bool = True,
+    stop_text: Callable[[str], bool] | None = None,
 ) -> Generation:
-    """Autoregressive decoding with the target alone (the baseline; one token per forward pass)."""
+    """Autoregressive decoding with the target alone (the baseline; one token per forward pass).
+
+    stop_text: ends generation after the token whose text makes it true, as in ``generate``.
+    """
     prompt_ids = encode_prompt(lm.tokenizer, prompt, chat)
     if stats is None:
         stats = DecodeStats(method=str(Method.TARGET_ONLY), k=0, hidden_dim=lm.hidden_size, vocab_size=lm.vocab_size)
@@ -523,6 +527,8 @@ def generate_target_only(
                             target_s=time.perf_counter() - t0, head_s=0.0)
         if on_commit is not None and new:
             on_commit(new)
+        if stop_text is not None and not done:
+            done = stop_text(_decode(lm.tokenizer, out))
         todo = [tok]
     stats.wall_s = time.perf_counter() - t_start
     return Generation(out, _decode(lm.tokenizer, out), stats)

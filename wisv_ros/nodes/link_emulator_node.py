@@ -248,7 +248,11 @@ class LinkEmulatorNode(Node):
             self._stopping = True
             self._cv.notify()
         self._thread.join(timeout=1.0)
-        self.get_logger().info(f"relayed per topic: {self.relayed}; dropped: {self.dropped}")
+        summary = f"relayed per topic: {self.relayed}; dropped: {self.dropped}"
+        if self.context.ok():
+            self.get_logger().info(summary)
+        else:  # after a signal the context is shut down: rosout is gone, the console is not
+            print(f"[INFO] [{self.get_fully_qualified_name()}]: {summary}", file=sys.stderr, flush=True)
         super().destroy_node()
 
 

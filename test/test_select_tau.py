@@ -1,0 +1,58 @@
+"""The tau-selection tool: the pick rule, the parameter-file rewrite, and a run on real small models."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from wisv_ros.cli.select_tau import main, pick_tau, write_tau
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_pick_is_the_largest_tau_within_the_budget():
+    results = [{"tau": 0.2, "accuracy": 0.80}, {"tau": 0.5, "accuracy": 0.795}, {"tau": 0.8, "accuracy": 0.70}]
+    assert pick_tau(results, 0.80, 1.0) == 0.5  # 0.5 points down: in; 10 points: out
+    assert pick_tau(results, 0.80, 10.0) == 0.8
+    assert pick_tau(results, 0.90, 1.0) == 0.0  # nothing within the budget: greedy
+    assert pick_tau([{"tau": 0.3, "accuracy": 0.85}], 0.80, 0.0) == 0.3  # better than the reference
+
+
+def test_write_tau_keeps_the_comments(tmp_path):
+    path = tmp_path / "drafter.yaml"
+    shutil.copy(ROOT / "config" / "drafter.yaml", path)
+    before = path.read_text()
+    write_tau(path, 0.35)
+    after = path.read_text()
+    changed = [(a, b) for a, b in zip(before.splitlines(), after.splitlines()) if a != b]
+    assert len(changed) == 1 and "tau: 0.35" in changed[0][1] and "# default WISV threshold" in changed[0][1]
+    (tmp_path / "bad.yaml").write_text("a: 1\n")
+    with pytest.raises(SystemExit, match="expected exactly one 'tau:' line, found 0"):
+        write_tau(tmp_path / "bad.yaml", 0.1)
+
+
+def test_select_tau_on_smollm2_and_gemma(tmp_path):
+    """Two held-out problems, a random head: runs, reports, and writes the pick into the file."""
+    import torch
+
+    from wisv_ros.head import DecisionHead, export_onnx
+
+    torch.manual_seed(0)
+    head_path = tmp_path / "head.onnx"
+    export_onnx(DecisionHead(576, 640, hidden=16).eval(), head_path)
+    cfg = tmp_path / "drafter.yaml"
+    shutil.copy(ROOT / "config" / "drafter.yaml", cfg)
+    out = tmp_path / "tau"
+    code = main(["--drafter", "smollm2-135m-instruct", "--target", "gemma3-270m", "--target-dtype", "float32",
+                 "--head", str(head_path), "--problems", "2", "--taus", "0.5,2.0", "--max-new-tokens", "12",
+                 "--k", "4", "--threads", "1", "--budget", "100", "--write", str(cfg), "--out", str(out)])
+    assert code == 0
+    report = json.loads((out / "report.json").read_text())
+    assert [r["tau"] for r in report["results"]] == [0.5, 2.0]
+    assert all(0.0 <= r["accuracy"] <= 1.0 and r["rounds"] > 0 for r in report["results"])
+    # tau > 1 accepts every draft: at least as many tokens per round as a stricter threshold.
+    assert report["results"][1]["aal"] >= report["results"][0]["aal"]
+    assert report["tau"] == 2.0  # a 100-point budget admits every tau
+    assert "tau: 2" in cfg.read_text() and (out / "accuracy_vs_tau.png").stat().st_size > 1000

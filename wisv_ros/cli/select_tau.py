@@ -1,0 +1,160 @@
+"""Pick the WISV threshold tau on held-out generated problems for an accuracy-drop budget.
+
+    python -m wisv_ros.cli.select_tau --head config/heads/default.onnx --problems 60 \\
+        --taus 0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9 --budget 1.0 --write config/drafter.yaml
+
+Problems: gsm_symbolic (reasoning-gym, generated offline) with ``--seed`` (default 1; the traces the
+head was trained on use seed 0 by default, and GSM8K test problems are never used). Each problem
+is answered once by the target alone (the reference accuracy) and once per tau by WISV SD with the
+head under ``--channel``; answers stop at "The answer is N".
+
+tau is the rejection-probability threshold: a mismatch is rejected when the head's probability is
+>= tau, so a larger tau accepts more drafts (0 = greedy SD). The pick is the largest tau whose
+accuracy is at most ``--budget`` percentage points below the reference; 0 if none is. With n
+problems one problem is 100/n points: choose n so that the budget means something (the report
+states the resolution). ``--write`` replaces the ``tau:`` value in a parameter file (the drafter's
+default tau, e.g. config/drafter.yaml) and keeps its comments. Writes report.json, report.csv and
+a plot of accuracy and AAL against tau to ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import re
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from .common import add_model_args, check_args, load_pair, make_halves, set_threads
+
+_TAU_LINE = re.compile(r"^(?P<indent>\s*)tau:\s*(?P<value>[^#\n]*?)(?P<comment>\s*#.*)?$", re.MULTILINE)
+
+
+def pick_tau(results: list[dict], reference_accuracy: float, budget_pp: float) -> float:
+    """Largest tau whose accuracy is within ``budget_pp`` percentage points of the reference; 0.0
+    (greedy) if none is. ``results``: dicts with ``tau`` and ``accuracy`` (a fraction)."""
+    ok = [r["tau"] for r in results if 100.0 * (reference_accuracy - r["accuracy"]) <= budget_pp + 1e-9]
+    return max(ok, default=0.0)
+
+
+def write_tau(path: Path, tau: float) -> None:
+    """Replace the value of the single ``tau:`` line of a YAML parameter file, keeping comments."""
+    text = path.read_text()
+    matches = list(_TAU_LINE.finditer(text))
+    if len(matches) != 1:
+        raise SystemExit(f"error: --write {path}: expected exactly one 'tau:' line, found {len(matches)}; "
+                         "add 'tau: 0.0' under the drafter's ros__parameters")
+    m = matches[0]
+    line = f"{m['indent']}tau: {tau:g}{m['comment'] or ''}"
+    path.write_text(text[:m.start()] + line + text[m.end():])
+
+
+def _taus(text: str) -> list[float]:
+    try:
+        taus = sorted({float(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--taus: expected comma-separated numbers, got '{text}'") from None
+    if not taus or any(t < 0 for t in taus):
+        raise argparse.ArgumentTypeError(f"--taus: give numbers >= 0, got '{text}'")
+    return taus
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..datasets import build_prompt, generate_gsm_symbolic, gsm8k_correct
+    from ..decoding import Method, generate, generate_target_only
+    from ..traces import answer_complete
+
+    p = argparse.ArgumentParser(prog="python -m wisv_ros.cli.select_tau", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--problems", type=int, default=60, help="held-out gsm_symbolic problems (default %(default)s)")
+    p.add_argument("--problem-seed", type=int, default=1, help="gsm_symbolic seed (default %(default)s; traces use 0)")
+    p.add_argument("--taus", type=_taus, default=_taus("0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9"))
+    p.add_argument("--budget", type=float, default=1.0, help="allowed accuracy drop, percentage points (default %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=320)
+    p.add_argument("--write", type=Path, default=None, help="parameter file whose 'tau:' gets the pick")
+    p.add_argument("--out", type=Path, default=Path("runs/tau"), help="report folder (default %(default)s)")
+    add_model_args(p)
+    args = p.parse_args(argv)
+    args.method = "wisv"
+    check_args(args)
+    if args.problems < 1:
+        p.error(f"--problems must be >= 1 (got {args.problems})")
+    if args.budget < 0:
+        p.error(f"--budget must be >= 0 (got {args.budget})")
+    if args.write is not None and not args.write.is_file():
+        p.error(f"--write {args.write}: no such file")
+    set_threads(args.threads)
+    target, drafter = load_pair(args)
+    problems = generate_gsm_symbolic(args.problems, args.problem_seed)
+    prompts = [build_prompt(q, tokenizer_has_chat_template=True) for q in problems]
+
+    ref_correct = 0
+    for q, prompt in zip(tqdm(problems, desc="target alone", unit="problem"), prompts):
+        res = generate_target_only(target, prompt, args.max_new_tokens, stop_text=answer_complete)
+        ref_correct += gsm8k_correct(res.text, q.answer)
+    reference = ref_correct / len(problems)
+
+    results = []
+    for tau in args.taus:
+        args.tau = tau
+        correct, tokens, rounds = 0, 0, 0
+        for q, prompt in zip(tqdm(problems, desc=f"wisv tau={tau:g}", unit="problem"), prompts):
+            d, v = make_halves(Method.WISV, target, drafter, args)
+            res = generate(d, v, prompt, args.max_new_tokens, args.k, stop_text=answer_complete)
+            correct += gsm8k_correct(res.text, q.answer)
+            tokens += len(res.token_ids)
+            rounds += res.stats.rounds
+        results.append({"tau": tau, "accuracy": correct / len(problems), "correct": correct,
+                        "aal": tokens / max(rounds, 1), "rounds": rounds, "tokens": tokens})
+    tau = pick_tau(results, reference, args.budget)
+
+    print(f"reference (target alone): {ref_correct}/{len(problems)} = {100 * reference:.1f} %  "
+          f"(one problem = {100 / len(problems):.2f} points)")
+    print(f"{'tau':>6s} {'accuracy %':>11s} {'drop pp':>8s} {'AAL':>6s} {'rounds':>7s}")
+    for r in results:
+        print(f"{r['tau']:6.2f} {100 * r['accuracy']:11.1f} {100 * (reference - r['accuracy']):8.1f} "
+              f"{r['aal']:6.2f} {r['rounds']:7d}")
+    print(f"picked tau = {tau:g} (budget {args.budget} points, channel {args.channel})")
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = {"tau": tau, "budget_pp": args.budget, "reference_accuracy": reference, "problems": len(problems),
+              "problem_seed": args.problem_seed, "channel": args.channel, "head": args.head, "k": args.k,
+              "results": results, "command": " ".join(["python -m wisv_ros.cli.select_tau", *(argv or sys.argv[1:])])}
+    (args.out / "report.json").write_text(json.dumps(report, indent=2))
+    with open(args.out / "report.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(results[0]))
+        w.writeheader()
+        w.writerows(results)
+    _plot(results, reference, tau, args.out / "accuracy_vs_tau.png")
+    if args.write is not None:
+        write_tau(args.write, tau)
+        print(f"wrote tau: {tau:g} into {args.write}")
+    return 0
+
+
+def _plot(results: list[dict], reference: float, tau: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    taus = [r["tau"] for r in results]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(taus, [100 * r["accuracy"] for r in results], "o-", label="WISV accuracy")
+    ax.axhline(100 * reference, color="gray", linestyle="--", label="target alone")
+    ax.axvline(tau, color="green", linestyle=":", label=f"picked tau = {tau:g}")
+    ax.set_xlabel("tau (rejection-probability threshold)")
+    ax.set_ylabel("accuracy (%)")
+    ax2 = ax.twinx()
+    ax2.plot(taus, [r["aal"] for r in results], "s--", color="tab:orange", label="AAL")
+    ax2.set_ylabel("AAL (tokens per round)")
+    lines = ax.get_legend_handles_labels()
+    lines2 = ax2.get_legend_handles_labels()
+    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=8, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
