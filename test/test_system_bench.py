@@ -13,17 +13,33 @@ pytest.importorskip("rclpy")
 
 
 def test_system_bench_runs_the_graph_and_accounts_the_link(tmp_path):
+    import torch
+
+    from wisv_ros.head import DecisionHead, export_onnx
+
+    torch.manual_seed(0)
+    head = tmp_path / "head.onnx"
+    export_onnx(DecisionHead(32, 32, hidden=8).eval(), head)
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "wisv_ros.cli.system_bench", "--drafter", "tiny-random:0:64:0.05",
            "--target", "tiny-random:0:64", "--target-dtype", "float32", "--prompt", "5 9 12 3",
            "--max-new-tokens", "24", "--k", "4", "--min-confidence", "0", "--scenarios", "direct,20mbps_5ms",
-           "--configs", "greedy,fh,sh", "--out", str(out), "--wait", "120", "--timeout", "120"]
+           "--configs", "greedy,fh,sh", "--tau", "0.5,2.0", "--head", f"rnd={head}",
+           "--out", str(out), "--wait", "120", "--timeout", "120"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = {(r["scenario"], r["config"]): r for r in csv.DictReader(open(out / "summary.csv"))}
-    assert set(rows) == {(s, c) for s in ("direct", "20mbps_5ms")
-                         for c in ("greedy", "fh", "sh", "target_stream", "colocated")}
-    f = {key: {k: float(v) for k, v in r.items() if k not in ("scenario", "config")} for key, r in rows.items()}
+    summary = list(csv.DictReader(open(out / "summary.csv")))
+    assert {(r["scenario"], r["config"], r["tau"]) for r in summary} == {
+        (s, c, t) for s in ("direct", "20mbps_5ms")
+        for c, t in [("greedy", "nan"), ("fh", "0.5"), ("fh", "2.0"), ("sh", "0.5"), ("sh", "2.0"),
+                     ("target_stream", "nan"), ("colocated", "nan")]}
+    assert {r["head"] for r in summary if r["config"] in ("greedy", "fh", "sh")} == {"rnd"}
+    # tau 2.0 accepts every draft: more tokens per round than tau 0.5 with the same head.
+    for s in ("direct", "20mbps_5ms"):
+        aal = {r["tau"]: float(r["aal"]) for r in summary if r["scenario"] == s and r["config"] == "fh"}
+        assert aal["2.0"] > aal["0.5"]
+    rows = {(r["scenario"], r["config"]): r for r in summary if r["tau"] in ("nan", "0.5")}
+    f = {key: {k: float(v) for k, v in r.items() if k not in ("scenario", "config", "head")} for key, r in rows.items()}
     for s in ("direct", "20mbps_5ms"):
         assert all(f[(s, c)]["tokens"] == 24 for c in ("greedy", "fh", "sh", "target_stream", "colocated"))
         assert f[(s, "fh")]["up_B"] > f[(s, "greedy")]["up_B"] + 3 * 32 * 2  # K hiddens ride on each block
@@ -40,3 +56,4 @@ def test_system_bench_runs_the_graph_and_accounts_the_link(tmp_path):
     # The link costs the remote configurations more than the co-located one.
     assert f[("20mbps_5ms", "greedy")]["ms_per_token"] > f[("direct", "greedy")]["ms_per_token"]
     assert (out / "rows.csv").is_file() and (out / "latency_per_token.png").stat().st_size > 1000
+    assert (out / "accuracy_latency_vs_tau.png").stat().st_size > 1000

