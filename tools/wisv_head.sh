@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The WISV decision head for the default pair, end to end (resumable; CPU hours on a 2-core machine):
+#   bash tools/wisv_head.sh [stage...]      stages: traces labels train tau eval (default: all)
+# Environment: WISV_TRACES (trace folder, default ~/.cache/wisv_ros/traces/default, outside the repo),
+# WISV_PROBLEMS (gsm_symbolic problems, default 200), WISV_THREADS (torch threads, default 2).
+# Every stage appends to / skips what exists, so an interrupted run continues where it stopped.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+bash "$ROOT/tools/setup.sh"
+# shellcheck disable=SC1091
+source "$ROOT/tools/env.sh"
+cd "$ROOT"
+TRACES="${WISV_TRACES:-$HOME/.cache/wisv_ros/traces/default}"
+PROBLEMS="${WISV_PROBLEMS:-200}"
+THREADS="${WISV_THREADS:-2}"
+HEADS="$ROOT/config/heads"
+stages=("$@")
+((${#stages[@]})) || stages=(traces labels train tau eval)
+python -m wisv_ros.cli.models prepare smollm2-135m-instruct qwen2.5-coder-1.5b-instruct
+for stage in "${stages[@]}"; do
+  case "$stage" in
+    traces) python -m wisv_ros.cli.traces collect --out "$TRACES" --problems "$PROBLEMS" --seed 0 --threads "$THREADS" ;;
+    labels) python -m wisv_ros.cli.traces label --out "$TRACES" --batch-size 8 --threads "$THREADS"
+            python -m wisv_ros.cli.traces summary --out "$TRACES" ;;
+    train)  mkdir -p "$HEADS"
+            python -m wisv_ros.cli.train_head --traces "$TRACES" --out "$HEADS/default.onnx"
+            python -m wisv_ros.cli.train_head --traces "$TRACES" --out "$HEADS/default_no_csi.onnx" --no-csi ;;
+    tau)    python -m wisv_ros.cli.select_tau --head "$HEADS/default.onnx" --problems 60 --threads "$THREADS" \
+              --write config/drafter.yaml --out runs/tau ;;
+    eval)   python -m wisv_ros.cli.system_bench --dataset gsm8k --limit 100 --max-new-tokens 320 \
+              --scenarios 20mbps_5ms,20mbps_50ms,500mbps_5ms,500mbps_50ms --configs greedy,fh,sh,adaptive \
+              --k 8,16,32 --tau 0.3,0.5,0.7 --head "csi=$HEADS/default.onnx" \
+              --head "no_csi=$HEADS/default_no_csi.onnx" --out runs/wisv_eval ;;
+    *) echo "unknown stage '$stage' (traces labels train tau eval)" >&2; exit 2 ;;
+  esac
+done
