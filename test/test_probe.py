@@ -335,3 +335,34 @@ def test_collect_smollm2_real_prompts(tmp_path):
     assert set(np.unique(data.labels)) <= {0, 1}
     # Completion tokens were produced by the chat template's assistant turn.
     assert all(r["n_prompt"] > 100 for r in index)
+
+
+def test_three_way_split_keeps_sources_apart(tmp_path):
+    from wisv_ros.probe import split_three_by_source
+
+    write_synthetic_folder(tmp_path / "data")  # 12 prompts, 6 sources
+    data = load_probe_data(tmp_path / "data")
+    parts = split_three_by_source(data, 0.34, 0.34, seed=0)
+    src = np.array([r["source"] for r in data.index])[data.prompt_row]
+    sets = [set(src[rows]) for rows in parts]
+    assert all(sets) and not (sets[0] & sets[1] or sets[0] & sets[2] or sets[1] & sets[2])
+    assert sum(len(rows) for rows in parts) == len(data.labels)
+    assert [len(s) for s in sets] == [2, 2, 2]
+    with pytest.raises(ValueError):
+        split_three_by_source(data, 0.6, 0.5)
+
+
+def test_cli_train_scores_the_chosen_probe_on_held_out_test_sources(tmp_path, capsys):
+    write_synthetic_folder(tmp_path / "data", informative=(2, "post_mlp"), n_prompts=16)
+    out = tmp_path / "probe.npz"
+    assert probe_cli(["train", "--data", str(tmp_path / "data"), "--out", str(out), "--val-share", "0.25",
+                      "--test-share", "0.25", "--max-iter", "50"]) == 0
+    probe = load_probe(out)
+    test = probe.meta["metrics"]["test"]
+    assert (probe.layer, probe.kind) == (2, "post_mlp")
+    assert test["n"] == 160 and test["auc"] > 0.9 and 0 < test["f1"] <= 1  # 2 of 8 sources x 2 prompts x 40
+    assert "held-out test (160 tokens" in capsys.readouterr().out
+    assert "held-out test" in (tmp_path / "data" / "report" / "report.md").read_text()
+    with pytest.raises(SystemExit):
+        probe_cli(["train", "--data", str(tmp_path / "data"), "--out", str(out), "--val-share", "0.5",
+                   "--test-share", "0.5"])

@@ -66,6 +66,7 @@ __all__ = [
     "save_probe",
     "select_layer",
     "split_by_source",
+    "split_three_by_source",
     "train_layers",
     "train_probe",
 ]
@@ -398,6 +399,29 @@ def split_by_source(data: ProbeData, val_share: float = 0.2, seed: int = 0) -> t
     is_val_prompt = np.array([(row.get("source") or row["id"]) in val_sources for row in data.index])
     is_val = is_val_prompt[data.prompt_row] if len(data.prompt_row) else np.zeros(0, bool)
     return np.flatnonzero(~is_val), np.flatnonzero(is_val)
+
+
+def split_three_by_source(data: ProbeData, val_share: float = 0.2, test_share: float = 0.2,
+                          seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Row indices (train, validation, test), every source problem on one side only.
+
+    The layer and the threshold are chosen on validation, so validation metrics of the chosen probe
+    are optimistic; the test rows are touched once, by the chosen probe. Each part gets at least one
+    source (three sources needed).
+    """
+    if not (0 < val_share < 1 and 0 < test_share < 1 and val_share + test_share < 1):
+        raise ValueError(f"val_share and test_share must be in (0, 1) with a sum < 1 (got {val_share}, {test_share})")
+    sources = sorted({row.get("source") or row["id"] for row in data.index})
+    if len(sources) < 3:
+        raise ValueError(f"need prompts from at least 3 sources to split three ways, found {len(sources)}")
+    order = np.random.default_rng(seed).permutation(len(sources))
+    n_test = min(len(sources) - 2, max(1, int(round(test_share * len(sources)))))
+    n_val = min(len(sources) - 1 - n_test, max(1, int(round(val_share * len(sources)))))
+    part = {sources[i]: 2 for i in order[:n_test]}
+    part.update({sources[i]: 1 for i in order[n_test:n_test + n_val]})
+    prompt_part = np.array([part.get(row.get("source") or row["id"], 0) for row in data.index], dtype=np.int64)
+    row_part = prompt_part[data.prompt_row] if len(data.prompt_row) else np.zeros(0, np.int64)
+    return tuple(np.flatnonzero(row_part == k) for k in (0, 1, 2))  # type: ignore[return-value]
 
 
 # --------------------------------------------------------------------------- probes

@@ -10,10 +10,13 @@ hidden states of the chosen layers (default every 2nd layer, post_attn and post_
 labels (Y = 1 inside a verbatim run of >= 5 tokens seen earlier). Appends to the folder and skips
 prompts already stored, so an interrupted run continues where it stopped.
 
-train: splits the prompts by source problem into training and validation, trains one bias-free
-logistic probe per (layer, kind), writes the report table (report.md, report.json) and plot
-(report.png) next to the data (or to --report), and exports the probe with the best validation F1,
-with its F1-best threshold, to --out (.npz + .json sidecar holding this command line).
+train: splits the prompts by source problem into training and validation (and, with --test-share,
+a test set), trains one bias-free logistic probe per (layer, kind), writes the report table
+(report.md, report.json) and plot (report.png) next to the data (or to --report), and exports the
+probe with the best validation F1, with its F1-best threshold, to --out (.npz + .json sidecar
+holding this command line). The test sources are scored once, by the chosen probe at its
+validation threshold (the layer and threshold were picked on validation, so validation figures of
+the chosen probe are optimistic).
 The format is described in ``wisv_ros/probe.py``.
 """
 from __future__ import annotations
@@ -24,12 +27,13 @@ import shlex
 import sys
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
 from ..lm import LAYER_KINDS, CausalLM
 from ..models import DEFAULT_TARGET, REGISTRY, load_model
-from ..probe import (PROMPT_KINDS, build_repetition_prompts, collect_probe_data, load_probe_data, save_probe,
-                     split_by_source, train_layers)
+from ..probe import (PROMPT_KINDS, build_repetition_prompts, collect_probe_data, evaluate, load_probe_data, save_probe,
+                     split_by_source, split_three_by_source, train_layers)
 from .common import set_threads
 
 
@@ -90,9 +94,15 @@ def _train(args: argparse.Namespace, p: argparse.ArgumentParser, argv: list[str]
     if args.l2 < 0 or args.max_iter < 1:
         p.error(f"--l2 must be >= 0 and --max-iter >= 1 (got {args.l2}, {args.max_iter})")
     set_threads(args.threads)
+    if not 0 <= args.test_share < 1 or args.val_share + args.test_share >= 1:
+        p.error(f"--test-share must be in [0, 1) with --val-share + --test-share < 1 (got {args.test_share})")
     data = load_probe_data(Path(args.data))
+    test_rows = None
     try:
-        train_rows, val_rows = split_by_source(data, args.val_share, args.seed)
+        if args.test_share > 0:
+            train_rows, val_rows, test_rows = split_three_by_source(data, args.val_share, args.test_share, args.seed)
+        else:
+            train_rows, val_rows = split_by_source(data, args.val_share, args.seed)
     except ValueError as exc:
         p.error(f"{exc}; collect more prompts first")
     keys = data.keys()
@@ -114,14 +124,32 @@ def _train(args: argparse.Namespace, p: argparse.ArgumentParser, argv: list[str]
     (folder / "report.json").write_text(json.dumps(report.to_dict(), indent=1) + "\n")
     png = report.plot(folder / "report.png", title=f"copy probe, {data.meta.get('target', '')}")
     best = report.best
+    metrics = best.summary()
+    test_line = ""
+    if test_rows is not None:
+        # The chosen probe with its validation threshold on sources it never saw, once.
+        y_test = data.labels[test_rows]
+        test = evaluate(best.w, data.features(best.layer, best.kind, test_rows).astype(np.float32), y_test,
+                        threshold=best.threshold)
+        metrics["test"] = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in test.items()}
+        test_line = (f"held-out test ({test['n']} tokens, Y=1 {test['positive_rate']:.3f}): AUC {test['auc']:.4f}, "
+                     f"F1 {test['f1']:.4f} (precision {test['precision']:.4f}, recall {test['recall']:.4f}) "
+                     f"at the validation threshold {best.threshold:.3f}")
+        with (folder / "report.md").open("a") as f:
+            f.write(f"\nChosen: layer {best.layer} {best.kind}. {test_line}\n")
+        (folder / "report.json").write_text(json.dumps({**report.to_dict(), "test": metrics["test"]}, indent=1) + "\n")
     side = save_probe(Path(args.out), best.w, best.layer, best.kind, best.threshold, meta={
         "target": data.meta.get("target"),
         "min_run": data.meta.get("min_run"),
         "data": str(args.data),
-        "metrics": best.summary(),
+        "prompts": len(data.index),
+        "tokens": int(len(data.labels)),
+        "metrics": metrics,
         "command": "python -m wisv_ros.cli.probe " + shlex.join(argv),
     })
     print(report.table())
+    if test_line:
+        print(test_line)
     print(f"chosen: layer {best.layer} {best.kind}, val F1 {best.val_f1:.4f}, AUC {best.val_auc:.4f}, "
           f"threshold {best.threshold:.3f} -> {args.out} ({side.name}); plot {png}")
     return 0
@@ -154,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--layers", type=_int_list, default=None, help="only these stored layers (default all)")
     tr.add_argument("--kinds", type=_names(LAYER_KINDS), default=None, help="only these stored kinds (default all)")
     tr.add_argument("--val-share", type=float, default=0.2, help="share of source problems held out (default %(default)s)")
+    tr.add_argument("--test-share", type=float, default=0.0,
+                    help="share of source problems held out as a test set, scored once by the chosen probe "
+                         "(default %(default)s: none)")
     tr.add_argument("--l2", type=float, default=1e-3, help="L2 weight on the scaled probe weights (default %(default)s)")
     tr.add_argument("--max-iter", type=int, default=100, help="LBFGS iterations (default %(default)s)")
     tr.add_argument("--max-rows", type=int, default=None, help="train on at most this many random rows (default all)")
