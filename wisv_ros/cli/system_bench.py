@@ -136,9 +136,13 @@ def run_scenario(scenario: str, head: tuple[str, str], configs: list[str], promp
         client = GenerateClient(node, "/robot/generate")
         runs = [(c, k, tau) for c in configs for k in args.k
                 for tau in (args.tau if CONFIGS[c]["method"] == "wisv" else [float("nan")])]
-        for config, k, tau in runs:
-            desc = f"{scenario} {head_label} {config} K={k}" + ("" if tau != tau else f" tau={tau:g}")
-            for i, (prompt, answer) in enumerate(tqdm(prompts, desc=desc, leave=False)):
+        # Prompt-major: every configuration runs on a prompt before the next prompt, so that slow
+        # drifts of the machine's load fall on all configurations alike.
+        bar = tqdm(total=len(prompts) * len(runs), desc=f"{scenario} {head_label}", leave=False)
+        for i, (prompt, answer) in enumerate(prompts):
+            for config, k, tau in runs:
+                desc = f"{scenario} {head_label} {config} K={k}" + ("" if tau != tau else f" tau={tau:g}")
+                bar.set_postfix_str(f"prompt {i} {config} K={k}" + ("" if tau != tau else f" tau={tau:g}"))
                 goal = dict(CONFIGS[config], max_new_tokens=args.max_new_tokens, k=k)
                 if tau == tau:
                     goal["tau"] = tau
@@ -148,6 +152,8 @@ def run_scenario(scenario: str, head: tuple[str, str], configs: list[str], promp
                 if out.status_name != "succeeded" or not r.rounds:
                     raise RuntimeError(f"{desc} prompt {i}: {out.status_name}: {r.error} (log: {log.name})")
                 rows.append(_row(scenario, head_label, config, k, tau, i, r, _accuracy(r.text, answer)))
+                bar.update(1)
+        bar.close()
     finally:
         launcher.stop(grace=5.0)
         executor.shutdown()
