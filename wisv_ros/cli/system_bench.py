@@ -152,6 +152,9 @@ def run_scenario(scenario: str, head: tuple[str, str], configs: list[str], promp
         waiter = _GraphWaiter(args.wait, launcher, log.name)
         _wait_for_verifier(node, verifier_ns, waiter)
         client = GenerateClient(node, "/robot/generate")
+        for _ in range(args.warmup):  # first passes are slow (allocations, caches): not measured
+            _start_goal(client, prompts[0][0], dict(CONFIGS[configs[0]], max_new_tokens=8, k=args.k[0]),
+                        waiter).outcome(args.timeout)
         runs = [(c, k, tau) for c in configs for k in args.k
                 for tau in (args.tau if CONFIGS[c]["method"] == "wisv" else [float("nan")])]
         # Prompt-major: every configuration runs on a prompt before the next prompt, so that slow
@@ -368,6 +371,7 @@ def main(argv=None) -> int:
                    help=f"comma-separated, of {', '.join(CONFIGS)} (reject only with one vocabulary)")
     p.add_argument("--baselines", default="target_stream,colocated", help="comma-separated, of target_stream, colocated ('' = none)")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the in-process baselines (the nodes use their parameter files')")
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured 8-token goals after each graph start (default %(default)s)")
     p.add_argument("--wait", type=float, default=600.0, help="seconds to wait for the nodes to load their models")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per goal")
     p.add_argument("--verdict-timeout", type=float, default=30.0, help="drafter_node verdict_timeout_s (default %(default)s)")
