@@ -343,6 +343,7 @@ class Verifier:
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
         self.context = list(prompt_ids)
+        self._probe_row = None  # the copy gate's state belongs to the previous request
 
     def verify(self, block: DraftBlock) -> Verdict:
         """Verify one block in one target forward pass and roll the cache back to the committed prefix."""

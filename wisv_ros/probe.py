@@ -382,6 +382,21 @@ def load_probe_data(folder: str | Path) -> ProbeData:
                      prompt_row=np.concatenate(owner) if owner else np.zeros(0, np.int64))
 
 
+def _sources(data: ProbeData, minimum: int, what: str) -> list[str]:
+    """The source problems of ``data`` (a prompt's ``source``, else its id), sorted."""
+    sources = sorted({row.get("source") or row["id"] for row in data.index})
+    if len(sources) < minimum:
+        raise ValueError(f"need prompts from at least {minimum} sources to {what}, found {len(sources)}")
+    return sources
+
+
+def _rows_by_part(data: ProbeData, part: dict[str, int], n_parts: int) -> tuple[np.ndarray, ...]:
+    """Row indices per part; ``part`` maps a source to its part (missing: part 0)."""
+    prompt_part = np.array([part.get(row.get("source") or row["id"], 0) for row in data.index], dtype=np.int64)
+    row_part = prompt_part[data.prompt_row] if len(data.prompt_row) else np.zeros(0, np.int64)
+    return tuple(np.flatnonzero(row_part == k) for k in range(n_parts))
+
+
 def split_by_source(data: ProbeData, val_share: float = 0.2, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Row indices (train, validation) with every source problem on one side only.
 
@@ -390,15 +405,10 @@ def split_by_source(data: ProbeData, val_share: float = 0.2, seed: int = 0) -> t
     """
     if not 0 < val_share < 1:
         raise ValueError(f"val_share must be in (0, 1) (got {val_share})")
-    sources = sorted({row.get("source") or row["id"] for row in data.index})
-    if len(sources) < 2:
-        raise ValueError(f"need prompts from at least 2 sources to split, found {len(sources)}")
+    sources = _sources(data, 2, "split")
     order = np.random.default_rng(seed).permutation(len(sources))
     n_val = min(len(sources) - 1, max(1, int(round(val_share * len(sources)))))
-    val_sources = {sources[i] for i in order[:n_val]}
-    is_val_prompt = np.array([(row.get("source") or row["id"]) in val_sources for row in data.index])
-    is_val = is_val_prompt[data.prompt_row] if len(data.prompt_row) else np.zeros(0, bool)
-    return np.flatnonzero(~is_val), np.flatnonzero(is_val)
+    return _rows_by_part(data, {sources[i]: 1 for i in order[:n_val]}, 2)  # type: ignore[return-value]
 
 
 def split_three_by_source(data: ProbeData, val_share: float = 0.2, test_share: float = 0.2,
@@ -411,17 +421,13 @@ def split_three_by_source(data: ProbeData, val_share: float = 0.2, test_share: f
     """
     if not (0 < val_share < 1 and 0 < test_share < 1 and val_share + test_share < 1):
         raise ValueError(f"val_share and test_share must be in (0, 1) with a sum < 1 (got {val_share}, {test_share})")
-    sources = sorted({row.get("source") or row["id"] for row in data.index})
-    if len(sources) < 3:
-        raise ValueError(f"need prompts from at least 3 sources to split three ways, found {len(sources)}")
+    sources = _sources(data, 3, "split three ways")
     order = np.random.default_rng(seed).permutation(len(sources))
     n_test = min(len(sources) - 2, max(1, int(round(test_share * len(sources)))))
     n_val = min(len(sources) - 1 - n_test, max(1, int(round(val_share * len(sources)))))
     part = {sources[i]: 2 for i in order[:n_test]}
     part.update({sources[i]: 1 for i in order[n_test:n_test + n_val]})
-    prompt_part = np.array([part.get(row.get("source") or row["id"], 0) for row in data.index], dtype=np.int64)
-    row_part = prompt_part[data.prompt_row] if len(data.prompt_row) else np.zeros(0, np.int64)
-    return tuple(np.flatnonzero(row_part == k) for k in (0, 1, 2))  # type: ignore[return-value]
+    return _rows_by_part(data, part, 3)  # type: ignore[return-value]
 
 
 # --------------------------------------------------------------------------- probes
