@@ -108,3 +108,58 @@ def test_probe_gate_controls_copy_mode():
     assert always.token_ids == out.token_ids == generate_target_only(target, prompt, 30).token_ids
     with pytest.raises(ValueError, match="capture layer"):
         Verifier(CausalLM(load_model("tiny-random:0:16")[0]), copy=CopyConfig(gate=never, layer=(1, "post_attn")))
+
+
+def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Chi-square of ``counts`` against ``probs`` over the cells expecting >= 5 (and degrees of freedom)."""
+    expected = counts.sum() * probs
+    mask = expected >= 5
+    return float((((counts - expected) ** 2) / expected)[mask].sum()), int(mask.sum()) - 1
+
+
+def test_sampled_tree_walk_follows_the_target_distribution():
+    """Copy rounds under rejection SD: the first committed token ~ p(. | context) and, after the
+    shared candidate token, the second ~ p(. | context + that token), whatever the candidates."""
+    from wisv_ros.acceptance import softmax_t
+
+    lm = CausalLM(load_model("tiny-random:0:16")[0])
+    ctx, temperature = [3, 1, 4, 1, 5, 9, 2, 6], 1.0
+    lm.reset()
+    p0 = softmax_t(lm.feed(ctx, n_logits=1).logits[-1], temperature).double()
+    order0 = p0.argsort(descending=True).tolist()
+    a, e = order0[0], order0[1]
+    lm.reset()
+    p1 = softmax_t(lm.feed(ctx + [a], n_logits=1).logits[-1], temperature).double()
+    order1 = p1.argsort(descending=True).tolist()
+    candidates = [[a, order1[0], 7], [a, order1[2]], [e]]
+    n = 3000
+    first = torch.zeros(16, dtype=torch.float64)
+    second = torch.zeros(16, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(n):
+        res = verify_tree(lm, ctx, candidates, temperature=temperature, generator=gen)
+        committed = res.accepted + [res.next_id]
+        first[committed[0]] += 1
+        if committed[0] == a:
+            second[committed[1]] += 1
+        assert res.accepted == candidates[res.candidate][:len(res.accepted)] if res.accepted else res.candidate == -1
+    chi_first, dof_first = _chi2(first, p0)
+    chi_second, dof_second = _chi2(second, p1)
+    # p ~ 1e-4 bounds for these degrees of freedom; a greedy or biased walk gives hundreds.
+    assert dof_first >= 3 and chi_first < 20 + 3 * dof_first
+    assert dof_second >= 3 and chi_second < 20 + 3 * dof_second
+    # Greedy acceptance would always commit a first: the sampled walk does not.
+    assert first[a] < 0.95 * n
+
+
+def test_copy_rounds_run_under_rejection_sd():
+    """Method reject with copy mode: copy rounds happen and the request completes (the exactness
+    of each sampled copy round is the test above)."""
+    from wisv_ros.decoding import CopyConfig, Drafter, Method, Verifier, generate
+
+    target = CausalLM(load_model("tiny-random:0:64")[0])
+    drafter = CausalLM(load_model("tiny-random:0:64:0.05")[0])
+    res = generate(Drafter(drafter, temperature=1.0, seed=0),
+                   Verifier(target, Method.REJECT, temperature=1.0, seed=0, copy=CopyConfig(kappa=1)),
+                   [5, 9, 12, 3], 60, 4)
+    assert len(res.token_ids) == 60 and res.stats.copy_rounds > 0

@@ -541,6 +541,11 @@ def test_copy_mode_on_the_edge_is_lossless_and_saves_round_trips(ros, target_lm,
         assert r.copy_rounds > 0 and r.copy_rounds == len(copies), p.logs()
         assert r.copied_tokens == sum(m.committed for m in copies) > 0
         assert r.edge_time_s > 0 and r.round_trip_s > r.edge_time_s and r.draft_time_s > 0
+        # Rejection SD gets copy rounds too (sampled acceptance, exact: test_copying).
+        out = p.start_goal(max_new_tokens=n, k=4, method="reject", temperature=1.0).outcome()
+        assert out.status_name == "succeeded", out.result.error + "\n" + p.logs()
+        assert out.result.copy_rounds > 0 and len(out.result.token_ids) == n
+        assert out.feedback_ids() == list(out.result.token_ids)
     finally:
         p.close()
 

@@ -8,6 +8,13 @@ target forward pass with a block-triangular attention mask -- each candidate see
 prefix and its own earlier tokens only -- and keeps the candidate with the longest greedy-accepted
 run. The result is the same as verifying each candidate on its own (tested).
 
+With ``temperature > 0`` (rejection SD) the tree is walked by speculative sampling for
+deterministic drafts: at each depth the distinct next tokens of the candidates still alive are
+tried in order, each accepted with its probability under the residual target distribution, which
+then drops that token and renormalises; when all are rejected (or no candidate goes deeper) the
+token is sampled from the residual. Every committed token follows the target's distribution
+exactly (tested by a chi-square test).
+
 Example (kappa = 2, depth = 3)::
 
     context = [7, 1, 2, 3, 4, 9, 1, 2]          # the suffix (1, 2) occurred at index 1
@@ -64,8 +71,10 @@ class CopyResult:
     layers: dict[tuple[int, str], torch.Tensor]  # captured layers at the last accepted position [d]
 
 
-def verify_tree(lm: CausalLM, context: Sequence[int], candidates: Sequence[Sequence[int]]) -> CopyResult:
-    """Verify all candidates in one target pass; keep the longest greedy-accepted run.
+def verify_tree(lm: CausalLM, context: Sequence[int], candidates: Sequence[Sequence[int]],
+                temperature: float = 0.0, generator: torch.Generator | None = None) -> CopyResult:
+    """Verify all candidates in one target pass; keep the longest greedy-accepted run, or with
+    ``temperature > 0`` the run accepted by speculative sampling (see the module docstring).
 
     The cache is rolled back to ``context`` afterwards (accepted tokens are fed with the next pass).
     """
@@ -93,8 +102,10 @@ def verify_tree(lm: CausalLM, context: Sequence[int], candidates: Sequence[Seque
         for i in range(start, end):
             allowed[i, base + start:base + i + 1] = True
     step = lm.feed(flat, n_logits=q, attention_mask=allowed[None, None], position_ids=torch.tensor([pos]))
-    argmax = step.logits.argmax(dim=-1).tolist()  # row i predicts the token after flat[i]
     lm.rollback(len(context))
+    if temperature > 0:
+        return _sample_tree(step, spans, candidates, n_pend, temperature, generator)
+    argmax = step.logits.argmax(dim=-1).tolist()  # row i predicts the token after flat[i]
     best, best_n, per = -1, -1, []
     for c, ((start, end), cand) in enumerate(zip(spans, candidates)):
         prev = n_pend - 1  # the row predicting the candidate's first token
@@ -111,4 +122,47 @@ def verify_tree(lm: CausalLM, context: Sequence[int], candidates: Sequence[Seque
     accepted = list(candidates[best][:best_n])
     next_row = n_pend - 1 if best_n == 0 else start + best_n - 1
     return CopyResult(candidate=best if best_n > 0 else -1, accepted=accepted, next_id=int(argmax[next_row]),
+                      accepted_per_candidate=per, layers={k: v[next_row] for k, v in step.layers.items()})
+
+
+def _sample_tree(step, spans: list[tuple[int, int]], candidates: Sequence[Sequence[int]], n_pend: int,
+                 temperature: float, generator: torch.Generator | None) -> CopyResult:
+    """Speculative sampling down the candidate tree (deterministic drafts: q = one-hot)."""
+    from .acceptance import softmax_t
+
+    def row(c: int, depth: int) -> int:  # the row predicting candidate c's token at ``depth``
+        return n_pend - 1 if depth == 0 else spans[c][0] + depth - 1
+
+    alive = list(range(len(candidates)))  # candidates agreeing with the accepted prefix
+    accepted: list[int] = []
+    while True:
+        depth = len(accepted)
+        # Candidates alive share the accepted prefix, so their rows at this depth are the same
+        # distribution; the first one's is used.
+        p = softmax_t(step.logits[row(alive[0], depth)], temperature).double()
+        deeper = [c for c in alive if depth < len(candidates[c])]
+        chosen = None
+        for tok in dict.fromkeys(int(candidates[c][depth]) for c in deeper):
+            if torch.rand((), generator=generator, dtype=torch.float64) < p[tok]:
+                chosen = tok
+                break
+            p[tok] = 0.0  # residual max(0, p - onehot(tok)), renormalised
+            total = p.sum()
+            if total <= 0:  # all the mass was on tried tokens (rejected by rounding): keep the last
+                p[tok] = 1.0
+                total = p.sum()
+            p = p / total
+        if chosen is None:
+            next_row = row(alive[0], depth)
+            next_id = int(torch.multinomial(p, 1, generator=generator))
+            break
+        accepted.append(chosen)
+        alive = [c for c in deeper if int(candidates[c][depth]) == chosen]
+    per = []
+    for cand in candidates:
+        n = 0
+        while n < min(len(cand), len(accepted)) and int(cand[n]) == accepted[n]:
+            n += 1
+        per.append(n)
+    return CopyResult(candidate=alive[0] if accepted else -1, accepted=accepted, next_id=next_id,
                       accepted_per_candidate=per, layers={k: v[next_row] for k, v in step.layers.items()})

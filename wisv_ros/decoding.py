@@ -306,8 +306,8 @@ class Verifier:
         tau: WISV threshold (rejection probability >= tau rejects); 0 = greedy, > 1 accepts all.
         judge: WISV decision head: (block, positions S, target hidden [K+1, d]) -> [|S|] rejection
             probabilities. Called only at mismatch positions.
-        copy: SwitchSD copy mode (``copy_round``); its rounds use greedy acceptance, so it goes
-            with GREEDY and WISV, not REJECT.
+        copy: SwitchSD copy mode (``copy_round``); its rounds accept greedily under GREEDY and
+            WISV, and by speculative sampling under REJECT (exact, see ``copying``).
         seed: seeds REJECT sampling. The verifier's stream is derived from the seed so that it
             never equals the drafter's stream for the same seed (equal streams would correlate the
             acceptance test with the draft and bias the output distribution).
@@ -327,8 +327,6 @@ class Verifier:
             raise ValueError("method target_only has no verifier; use generate_target_only()")
         if method == Method.REJECT and temperature <= 0:
             raise ValueError(f"method reject samples: temperature must be > 0, got {temperature}")
-        if copy is not None and method == Method.REJECT:
-            raise ValueError("copy mode verifies greedily; it goes with methods greedy and wisv, not reject")
         if copy is not None and copy.gate is not None and (copy.layer is None or copy.layer not in lm.capture):
             raise ValueError(f"copy gate needs the target to capture layer {copy.layer}; build CausalLM(capture=[...])")
         self.lm = lm
@@ -397,7 +395,9 @@ class Verifier:
         if cfg.gate is not None and (self._probe_row is None or not cfg.gate(self._probe_row)):
             return None
         t0 = time.perf_counter()
-        res = verify_tree(self.lm, self.context, candidates)
+        sampling = self.method == Method.REJECT
+        res = verify_tree(self.lm, self.context, candidates, temperature=self.temperature if sampling else 0.0,
+                          generator=self.generator)
         if cfg.layer is not None:
             self._probe_row = res.layers[cfg.layer].numpy()
         committed = res.accepted + [res.next_id]

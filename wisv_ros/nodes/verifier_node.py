@@ -26,7 +26,8 @@ the target's hidden state at the last committed position), the verifier drafts u
 tree pass (``Verifier.copy_round``), with no round trip to the robot; at most
 ``copy_max_rounds`` rounds and the block's ``copy_budget`` tokens. The copied tokens end the
 verdict's ``committed_ids`` (``copied_count``, ``copy_rounds``) and the robot's drafter catches up
-on its next pass. Copy rounds verify greedily: blocks of method reject get none.
+on its next pass. Copy rounds accept greedily (greedy, wisv) or by speculative sampling at the
+block's temperature (reject), so rejection SD stays exact.
 
 Threads: the node spins one executor thread (``common.run_node``) whose callbacks never block: the
 block callback queues the block, and one verification thread takes blocks in arrival order and
@@ -372,7 +373,7 @@ class VerifierNode(Node):
         session.last_round = rnd  # a retry of this round is refused even if verification fails
         self._verifying = (rid, rnd)
         v.method, v.tau = method, float(msg.tau)
-        v.copy = self._copy if method != Method.REJECT else None  # copy rounds verify greedily
+        v.copy = self._copy
         if method == Method.REJECT:
             v.temperature = float(msg.temperature)
         block = CoreBlock(token_ids=draft, hidden=hidden, probs=probs, prefix_length=int(msg.prefix_length),
