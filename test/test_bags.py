@@ -28,7 +28,7 @@ rclpy = pytest.importorskip("rclpy")
 from wisv_ros import bags  # noqa: E402
 from wisv_ros.bags import QosSpec, open_bag, to_plain  # noqa: E402
 from wisv_ros.cli import bag as bag_cli  # noqa: E402
-from wisv_ros.nodes.client import GenerateClient, spin_in_background  # noqa: E402
+from wisv_ros.nodes.client import GenerateClient  # noqa: E402
 from wisv_ros.nodes.common import RELIABLE_QOS, reliable_qos  # noqa: E402
 
 TARGET = "tiny-random:0:64"
@@ -120,17 +120,6 @@ def _channel_head(path: Path) -> str:
 
 
 # --------------------------------------------------------------------------- the recording
-@pytest.fixture(scope="module")
-def ros():
-    rclpy.init()
-    node = rclpy.create_node(f"test_bags_{PID}")
-    executor, _ = spin_in_background(node)
-    yield node
-    executor.shutdown()
-    node.destroy_node()
-    rclpy.try_shutdown()
-
-
 @pytest.fixture(scope="module")
 def recorded(ros, tmp_path_factory):
     """verifier + drafter run two goals (fh greedy, sh wisv) while the recorder records SRC_NS."""

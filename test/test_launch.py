@@ -314,21 +314,6 @@ class LaunchProcess:
                 os.kill(pid, signal.SIGKILL)
 
 
-@pytest.fixture
-def ros_node():
-    rclpy = pytest.importorskip("rclpy")
-    from wisv_ros.nodes.client import spin_in_background
-
-    rclpy.init()
-    node = rclpy.create_node(f"test_launch_{os.getpid()}")
-    executor, thread = spin_in_background(node)
-    yield node
-    executor.shutdown()
-    thread.join(5.0)
-    node.destroy_node()
-    rclpy.try_shutdown()
-
-
 def _get_parameters(node, full_name: str, names: list[str]) -> dict:
     """Values of ``names`` on node ``full_name`` ("<not declared>" for unknown ones)."""
     from rcl_interfaces.srv import GetParameters

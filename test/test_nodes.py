@@ -22,7 +22,7 @@ rclpy = pytest.importorskip("rclpy")
 from wisv_ros.decoding import generate_target_only  # noqa: E402
 from wisv_ros.lm import CausalLM  # noqa: E402
 from wisv_ros.models import load_model  # noqa: E402
-from wisv_ros.nodes.client import GenerateClient, spin_in_background  # noqa: E402
+from wisv_ros.nodes.client import GenerateClient  # noqa: E402
 from wisv_ros.nodes.common import RELIABLE_QOS  # noqa: E402
 from wisv_ros.wire import fill_hidden  # noqa: E402
 
@@ -68,17 +68,6 @@ class NodeProcess:
     def tail(self, n: int = 30) -> str:
         lines = self.log.read_text(errors="replace").splitlines()
         return f"--- {self.kind} log ({self.log}):\n" + "\n".join(lines[-n:])
-
-
-@pytest.fixture(scope="module")
-def ros():
-    rclpy.init()
-    node = rclpy.create_node(f"test_nodes_{os.getpid()}")
-    executor, thread = spin_in_background(node)
-    yield node
-    executor.shutdown()
-    node.destroy_node()
-    rclpy.try_shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,40 @@
+"""Fixtures shared by the tests that talk to nodes over DDS (tools/test.sh sets a test-specific
+ROS_DOMAIN_ID and localhost-only discovery)."""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+import pytest
+
+
+@contextmanager
+def spun_node(name: str):
+    """rclpy initialised and a node named ``<name>_<pid>`` spun in a background thread."""
+    rclpy = pytest.importorskip("rclpy")
+    from wisv_ros.nodes.client import spin_in_background
+
+    rclpy.init()
+    node = rclpy.create_node(f"{name}_{os.getpid()}")
+    executor, thread = spin_in_background(node)
+    try:
+        yield node
+    finally:
+        executor.shutdown()
+        thread.join(5.0)
+        node.destroy_node()
+        rclpy.try_shutdown()
+
+
+@pytest.fixture(scope="module")
+def ros(request):
+    """One spun test node per test module."""
+    with spun_node(request.module.__name__.rsplit(".", 1)[-1]) as node:
+        yield node
+
+
+@pytest.fixture
+def ros_node(request):
+    """A spun test node for one test."""
+    with spun_node(request.module.__name__.rsplit(".", 1)[-1]) as node:
+        yield node
