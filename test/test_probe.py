@@ -366,3 +366,20 @@ def test_cli_train_scores_the_chosen_probe_on_held_out_test_sources(tmp_path, ca
     with pytest.raises(SystemExit):
         probe_cli(["train", "--data", str(tmp_path / "data"), "--out", str(out), "--val-share", "0.5",
                    "--test-share", "0.5"])
+
+
+def test_excerpt_and_two_turn_prompts():
+    """The extra kinds: an excerpt question over the code, and a two-turn chat whose second request
+    makes the model repeat its first answer (the canonical solution) with a change."""
+    from wisv_ros.probe import ALL_PROMPT_KINDS
+
+    assert set(PROMPT_KINDS) < set(ALL_PROMPT_KINDS) and {"excerpt", "turns"} <= set(ALL_PROMPT_KINDS)
+    ps = build_repetition_prompts(4, seed=0, kinds=("excerpt", "turns"))
+    assert [p.kind for p in ps] == ["excerpt", "turns"] * 2
+    excerpt, turns = ps[0], ps[1]
+    assert len(excerpt.prompt) == 1 and "docstring" in excerpt.prompt[0]["content"]
+    assert "```python" in excerpt.prompt[0]["content"]
+    assert [m["role"] for m in turns.prompt] == ["user", "assistant", "user"]
+    assert "return the whole code again" in turns.prompt[2]["content"]
+    assert turns.prompt[1]["content"].startswith("```python") and turns.source in turns.id
+    assert build_repetition_prompts(4, seed=0, kinds=("excerpt", "turns")) == ps  # deterministic

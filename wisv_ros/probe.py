@@ -49,6 +49,7 @@ from .lm import LAYER_KINDS, CausalLM
 from .traces import _read_jsonl  # the jsonl convention of the data folders (torn last line ignored)
 
 __all__ = [
+    "ALL_PROMPT_KINDS",
     "PROMPT_KINDS",
     "CopyProbe",
     "LayerResult",
@@ -125,6 +126,10 @@ def copy_labels(ids: Sequence[int], start: int, min_run: int = 5) -> np.ndarray:
 # --------------------------------------------------------------------------- prompts
 
 PROMPT_KINDS = ("rename", "annotate", "quote", "explain")  # "explain" is the non-copy control
+#: Also available (not in the default mix the shipped probe was trained on): "excerpt" answers a
+#: question with sentences quoted from the docstring; "turns" is a two-turn chat (MT-Bench style)
+#: whose second request makes the model repeat its first answer with a change.
+ALL_PROMPT_KINDS = PROMPT_KINDS + ("excerpt", "turns")
 
 _RENAMES = ("{f}_v2", "new_{f}", "{f}_impl", "compute_{f}", "{camel}")
 _ANNOTATE = (
@@ -134,6 +139,15 @@ _ANNOTATE = (
     "rest of the code unchanged.",
     "Add input validation at the start of `{f}` that raises ValueError on invalid arguments, and "
     "return the whole code.",
+)
+_EXCERPT = (
+    "Answer only with sentences quoted verbatim from the docstring of `{f}`: what does it take and "
+    "what does it return?",
+    "Which sentences of the docstring of `{f}` describe its result? Quote them exactly, one per line.",
+)
+_TURN_CHANGES = (
+    "Now rename `{f}` to `{g}` and return the whole code again.",
+    "Now add a one-line comment above the function and return the whole code again, otherwise unchanged.",
 )
 _EXPLAIN = (
     "Explain in your own words what this code does and how it works. Do not quote or repeat any code.",
@@ -194,9 +208,20 @@ def _request(problem: Problem, kind: str, rng: np.random.Generator) -> str:
         text = _quote_request(code, problem.extra["canonical_solution"], f, rng)
     elif kind == "explain":
         text = str(rng.choice(_EXPLAIN)).format(f=f)
+    elif kind == "excerpt":
+        text = str(rng.choice(_EXCERPT)).format(f=f)
     else:
-        raise ValueError(f"prompt kind '{kind}' is not one of {PROMPT_KINDS}")
+        raise ValueError(f"prompt kind '{kind}' is not one of {ALL_PROMPT_KINDS}")
     return f"{_fenced(code)}\n\n{text}"
+
+
+def _turns(problem: Problem, rng: np.random.Generator) -> list[dict]:
+    """A two-turn chat: the task, the canonical solution as the assistant's answer, a change request."""
+    f = problem.extra["entry_point"]
+    g = str(rng.choice(_RENAMES)).format(f=f, camel=_camel(f))
+    return [{"role": "user", "content": f"Complete this Python function:\n\n{_fenced(problem.prompt)}"},
+            {"role": "assistant", "content": _fenced(_code(problem))},
+            {"role": "user", "content": str(rng.choice(_TURN_CHANGES)).format(f=f, g=g)}]
 
 
 def build_repetition_prompts(n: int, seed: int = 0, kinds: Sequence[str] = PROMPT_KINDS,
@@ -223,9 +248,10 @@ def build_repetition_prompts(n: int, seed: int = 0, kinds: Sequence[str] = PROMP
         problem = problems[int(orders[k][i // len(kinds)])]
         kind = kinds[k]
         # One generator per prompt: a prompt does not change when n changes.
-        text = _request(problem, kind, np.random.default_rng([seed, k, i // len(kinds)]))
-        out.append(RepetitionPrompt(id=f"{kind}/{problem.id}", kind=kind,
-                                    prompt=[{"role": "user", "content": text}], source=problem.id))
+        prng = np.random.default_rng([seed, k, i // len(kinds)])
+        messages = (_turns(problem, prng) if kind == "turns"
+                    else [{"role": "user", "content": _request(problem, kind, prng)}])
+        out.append(RepetitionPrompt(id=f"{kind}/{problem.id}", kind=kind, prompt=messages, source=problem.id))
     return out
 
 

@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from ..lm import LAYER_KINDS, CausalLM
 from ..models import DEFAULT_TARGET, REGISTRY, load_model
-from ..probe import (PROMPT_KINDS, build_repetition_prompts, collect_probe_data, evaluate, load_probe_data, save_probe,
+from ..probe import (ALL_PROMPT_KINDS, PROMPT_KINDS, build_repetition_prompts, collect_probe_data, evaluate, load_probe_data, save_probe,
                      split_by_source, split_three_by_source, train_layers)
 from .common import set_threads
 
@@ -165,8 +165,9 @@ def main(argv: list[str] | None = None) -> int:
                      help=f"target model: {', '.join(REGISTRY)}, a HF folder or a .gguf file (default %(default)s)")
     col.add_argument("--target-dtype", default="bfloat16", help="target weights dtype (default %(default)s)")
     col.add_argument("--prompts", type=int, default=400, help="number of prompts, kinds taking turns (default %(default)s)")
-    col.add_argument("--prompt-kinds", type=_names(PROMPT_KINDS), default=list(PROMPT_KINDS),
-                     help=f"comma-separated prompt kinds (default {','.join(PROMPT_KINDS)})")
+    col.add_argument("--prompt-kinds", type=_names(ALL_PROMPT_KINDS), default=list(PROMPT_KINDS),
+                     help=f"comma-separated prompt kinds, of {','.join(ALL_PROMPT_KINDS)} "
+                          f"(default {','.join(PROMPT_KINDS)})")
     col.add_argument("--layers", type=_int_list, default=None, help="comma-separated decoder layers (default: every --layer-step-th)")
     col.add_argument("--layer-step", type=int, default=2, help="default layers 0, step, 2*step, ... (default %(default)s)")
     col.add_argument("--kinds", type=_names(LAYER_KINDS), default=list(LAYER_KINDS),
