@@ -102,6 +102,21 @@ class CopyConfig:
     width: int = 4
     depth: int = 16
 
+    @classmethod
+    def for_mode(cls, mode: str, probe=None, *, kappa: int = 5, width: int = 4, depth: int = 16,
+                 gate: Callable[[np.ndarray], bool] | None = None) -> "CopyConfig | None":
+        """Copy mode by name: "off" -> None; "ngram" (no gate); "probe": gated by ``probe``
+        (a ``probe.CopyProbe``) at its layer, ``gate`` replacing ``probe.fires`` (e.g. to count calls)."""
+        if mode == "off":
+            return None
+        if mode == "ngram":
+            return cls(gate=None, kappa=kappa, width=width, depth=depth)
+        if mode != "probe":
+            raise ValueError(f"copy mode '{mode}' is not one of off, ngram, probe")
+        if probe is None:
+            raise ValueError("copy mode probe needs a probe")
+        return cls(gate=gate if gate is not None else probe.fires, layer=(probe.layer, probe.kind), kappa=kappa, width=width, depth=depth)
+
 
 @dataclasses.dataclass
 class Verdict:

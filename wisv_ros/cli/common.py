@@ -91,13 +91,8 @@ def make_halves(method: Method, target: CausalLM, drafter: CausalLM, args: argpa
             f"error: method reject needs one vocabulary, but drafter '{args.drafter}' and target '{args.target}' "
             "have different tokenizers; use method greedy or wisv, or a same-tokenizer pair"
         )
-    copy = None
-    if getattr(args, "copy", "off") == "ngram":
-        copy = CopyConfig(gate=None, kappa=args.kappa, width=args.copy_width, depth=args.copy_depth)
-    elif getattr(args, "copy", "off") == "probe":
-        probe = args.loaded_probe
-        copy = CopyConfig(gate=probe.fires, layer=(probe.layer, probe.kind), kappa=args.kappa,
-                          width=args.copy_width, depth=args.copy_depth)
+    copy = CopyConfig.for_mode(getattr(args, "copy", "off"), getattr(args, "loaded_probe", None),
+                               kappa=args.kappa, width=args.copy_width, depth=args.copy_depth)
     judge = None
     if method == Method.WISV:
         if not getattr(args, "head", None):

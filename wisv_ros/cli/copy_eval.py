@@ -87,16 +87,13 @@ def run_system(system: str, target: CausalLM, drafter: CausalLM, prompt: Any, ch
     """One request with one of SYSTEMS; returns the generation and the probe's gate counter (greedy+probe)."""
     if system == "target_only":
         return generate_target_only(target, prompt, max_new_tokens, chat=chat), None
-    copy, gate = None, None
-    if system == "greedy+ngram":
-        copy = CopyConfig(gate=None, kappa=kappa, width=width, depth=depth)
-    elif system == "greedy+probe":
-        if probe is None:
-            raise ValueError("system greedy+probe needs a probe")
-        gate = CountingGate(probe.fires)
-        copy = CopyConfig(gate=gate, layer=(probe.layer, probe.kind), kappa=kappa, width=width, depth=depth)
-    elif system != "greedy":
+    if system not in SYSTEMS:
         raise ValueError(f"system '{system}' is not one of {SYSTEMS}")
+    if system == "greedy+probe" and probe is None:
+        raise ValueError("system greedy+probe needs a probe")
+    gate = CountingGate(probe.fires) if system == "greedy+probe" else None
+    mode = {"greedy+ngram": "ngram", "greedy+probe": "probe"}.get(system, "off")
+    copy = CopyConfig.for_mode(mode, probe, kappa=kappa, width=width, depth=depth, gate=gate)
     d = Drafter(drafter, target_tokenizer=target.tokenizer, min_confidence=min_confidence)
     v = Verifier(target, Method.GREEDY, copy=copy)
     return generate(d, v, prompt, max_new_tokens, k, chat=chat), gate

@@ -415,14 +415,8 @@ class VerifierNode(Node):
     def _copy_config(self):
         from ..decoding import CopyConfig
 
-        mode = self._param("copy")
-        if mode == "off":
-            return None
-        sizes = dict(kappa=int(self._param("copy_kappa")), width=int(self._param("copy_width")),
-                     depth=int(self._param("copy_depth")))
-        if mode == "ngram":
-            return CopyConfig(gate=None, **sizes)
-        return CopyConfig(gate=self._probe.fires, layer=(self._probe.layer, self._probe.kind), **sizes)
+        return CopyConfig.for_mode(self._param("copy"), self._probe, kappa=int(self._param("copy_kappa")),
+                                   width=int(self._param("copy_width")), depth=int(self._param("copy_depth")))
 
     @staticmethod
     def _check_ids(field: str, ids: list[int], vocab: int) -> None:
