@@ -93,9 +93,12 @@ def test_repetition_prompts_are_deterministic_balanced_and_well_formed():
     assert ps[:8] == build_repetition_prompts(8, seed=3)  # a prompt does not depend on n
     assert [p.id for p in ps] != [p.id for p in build_repetition_prompts(40, seed=4)]
     assert len({p.id for p in ps}) == 40
-    assert [p.kind for p in ps[:8]] == list(PROMPT_KINDS) * 2
+    assert [p.kind for p in ps[:12]] == list(PROMPT_KINDS) * 2
     for p in ps:
         assert p.source.startswith("HumanEval/") and p.id == f"{p.kind}/{p.source}"
+        if p.kind == "turns":  # user, assistant (the canonical solution), user
+            assert [m["role"] for m in p.prompt] == ["user", "assistant", "user"]
+            continue
         (msg,) = p.prompt
         assert msg["role"] == "user" and msg["content"].startswith("```python\n")
         code, request = msg["content"].rsplit("```\n\n", 1)
@@ -371,9 +374,7 @@ def test_cli_train_scores_the_chosen_probe_on_held_out_test_sources(tmp_path, ca
 def test_excerpt_and_two_turn_prompts():
     """The extra kinds: an excerpt question over the code, and a two-turn chat whose second request
     makes the model repeat its first answer (the canonical solution) with a change."""
-    from wisv_ros.probe import ALL_PROMPT_KINDS
-
-    assert set(PROMPT_KINDS) < set(ALL_PROMPT_KINDS) and {"excerpt", "turns"} <= set(ALL_PROMPT_KINDS)
+    assert {"excerpt", "turns"} <= set(PROMPT_KINDS)
     ps = build_repetition_prompts(4, seed=0, kinds=("excerpt", "turns"))
     assert [p.kind for p in ps] == ["excerpt", "turns"] * 2
     excerpt, turns = ps[0], ps[1]
@@ -383,3 +384,28 @@ def test_excerpt_and_two_turn_prompts():
     assert "return the whole code again" in turns.prompt[2]["content"]
     assert turns.prompt[1]["content"].startswith("```python") and turns.source in turns.id
     assert build_repetition_prompts(4, seed=0, kinds=("excerpt", "turns")) == ps  # deterministic
+
+
+def test_cli_score_rates_a_trained_probe_on_another_folder(tmp_path, capsys):
+    """score: the shipped probe, unchanged, on data it never saw (same label direction: high AUC;
+    a folder with another direction: near chance), per prompt kind; clear errors on a wrong folder."""
+    write_synthetic_folder(tmp_path / "train", informative=(2, "post_mlp"), n_prompts=16, seed=0)
+    out = tmp_path / "probe.npz"
+    assert probe_cli(["train", "--data", str(tmp_path / "train"), "--out", str(out), "--max-iter", "50"]) == 0
+    # Same direction u (seed 0 draws u first), new rows: a held-out folder of the same task.
+    write_synthetic_folder(tmp_path / "same", informative=(2, "post_mlp"), n_prompts=4, seed=0)
+    idx = (tmp_path / "same" / "index.jsonl").read_text().replace('"kind": "synthetic"', '"kind": "other"', 2)
+    (tmp_path / "same" / "index.jsonl").write_text(idx)
+    capsys.readouterr()
+    assert probe_cli(["score", "--probe", str(out), "--data", str(tmp_path / "same"),
+                      "--json", str(tmp_path / "score.json")]) == 0
+    score = json.loads((tmp_path / "score.json").read_text())["metrics"]
+    assert set(score) == {"all", "other", "synthetic"} and score["other"]["n"] == 80 and score["all"]["n"] == 160
+    assert score["all"]["auc"] > 0.9 and "| other | 80 |" in capsys.readouterr().out
+    write_synthetic_folder(tmp_path / "foreign", informative=(2, "post_mlp"), n_prompts=4, seed=5)
+    assert probe_cli(["score", "--probe", str(out), "--data", str(tmp_path / "foreign"),
+                      "--json", str(tmp_path / "foreign.json")]) == 0
+    assert json.loads((tmp_path / "foreign.json").read_text())["metrics"]["all"]["auc"] < 0.8
+    write_synthetic_folder(tmp_path / "wrong", informative=(2, "post_mlp"), d=10, n_prompts=2)
+    with pytest.raises(SystemExit):
+        probe_cli(["score", "--probe", str(out), "--data", str(tmp_path / "wrong")])

@@ -49,7 +49,6 @@ from .lm import LAYER_KINDS, CausalLM
 from .traces import _read_jsonl  # the jsonl convention of the data folders (torn last line ignored)
 
 __all__ = [
-    "ALL_PROMPT_KINDS",
     "PROMPT_KINDS",
     "CopyProbe",
     "LayerResult",
@@ -125,11 +124,11 @@ def copy_labels(ids: Sequence[int], start: int, min_run: int = 5) -> np.ndarray:
 
 # --------------------------------------------------------------------------- prompts
 
-PROMPT_KINDS = ("rename", "annotate", "quote", "explain")  # "explain" is the non-copy control
-#: Also available (not in the default mix the shipped probe was trained on): "excerpt" answers a
-#: question with sentences quoted from the docstring; "turns" is a two-turn chat (MT-Bench style)
-#: whose second request makes the model repeat its first answer with a change.
-ALL_PROMPT_KINDS = PROMPT_KINDS + ("excerpt", "turns")
+#: The prompt kinds, taking turns in this order: code edits ("rename", "annotate"), "quote",
+#: "explain" (the non-copy control), "excerpt" (answer with sentences quoted from the docstring)
+#: and "turns" (a two-turn chat, MT-Bench style, whose second request makes the model repeat its
+#: first answer with a change). The shipped probe was trained on all six.
+PROMPT_KINDS = ("rename", "annotate", "quote", "explain", "excerpt", "turns")
 
 _RENAMES = ("{f}_v2", "new_{f}", "{f}_impl", "compute_{f}", "{camel}")
 _ANNOTATE = (
@@ -211,7 +210,7 @@ def _request(problem: Problem, kind: str, rng: np.random.Generator) -> str:
     elif kind == "excerpt":
         text = str(rng.choice(_EXCERPT)).format(f=f)
     else:
-        raise ValueError(f"prompt kind '{kind}' is not one of {ALL_PROMPT_KINDS}")
+        raise ValueError(f"prompt kind '{kind}' is not one of {PROMPT_KINDS}")
     return f"{_fenced(code)}\n\n{text}"
 
 

@@ -3,6 +3,7 @@
     python -m wisv_ros.cli.probe collect --out runs/probe/default --prompts 400 --seed 0
     python -m wisv_ros.cli.probe train --data runs/probe/default --out config/probes/copy_probe.npz
     python -m wisv_ros.cli.probe summary --data runs/probe/default
+    python -m wisv_ros.cli.probe score --probe config/probes/copy_probe.npz --data runs/probe/other
 
 collect: builds repetition prompts from HumanEval canonical solutions (rename, annotate, quote and
 the non-copy control "explain"), lets the target complete them greedily and stores the captured
@@ -17,6 +18,9 @@ probe with the best validation F1, with its F1-best threshold, to --out (.npz + 
 holding this command line). The test sources are scored once, by the chosen probe at its
 validation threshold (the layer and threshold were picked on validation, so validation figures of
 the chosen probe are optimistic).
+score: scores a trained probe, unchanged, on another data folder (e.g. prompt kinds or source
+problems it was not trained on): AUC and F1 at the probe's own threshold, overall and per prompt
+kind; ``--json`` also writes them to a file.
 The format is described in ``wisv_ros/probe.py``.
 """
 from __future__ import annotations
@@ -32,7 +36,7 @@ from tqdm import tqdm
 
 from ..lm import LAYER_KINDS, CausalLM
 from ..models import DEFAULT_TARGET, REGISTRY, load_model
-from ..probe import (ALL_PROMPT_KINDS, PROMPT_KINDS, build_repetition_prompts, collect_probe_data, evaluate, load_probe_data, save_probe,
+from ..probe import (PROMPT_KINDS, build_repetition_prompts, collect_probe_data, evaluate, load_probe, load_probe_data, save_probe,
                      split_by_source, split_three_by_source, train_layers)
 from .common import set_threads
 
@@ -86,6 +90,33 @@ def _print_summary(index: list[dict]) -> None:
         rows = [r for r in index if r["kind"] == kind]
         n_k = sum(r["n_new"] for r in rows)
         print(f"  {kind:10s} {len(rows):5d} prompts {n_k:7d} tokens  Y=1 {sum(r['n_copy'] for r in rows) / max(n_k, 1):.1%}")
+
+
+def _score(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
+    probe = load_probe(Path(args.probe))
+    data = load_probe_data(Path(args.data))
+    if (probe.layer, probe.kind) not in data.keys():
+        p.error(f"--data {args.data} has no hidden states of layer {probe.layer} {probe.kind} (the probe's); "
+                f"collect them with --layers {probe.layer} --kinds {probe.kind}")
+    if data.meta.get("d_model") != probe.d_model:
+        p.error(f"--data {args.data} has d_model {data.meta.get('d_model')}, the probe {probe.d_model}: another target")
+    X = data.features(probe.layer, probe.kind).astype(np.float32)
+    kinds = np.array([data.index[i]["kind"] for i in data.prompt_row])
+    groups = {"all": np.ones(len(kinds), bool)} | {k: kinds == k for k in sorted(set(kinds.tolist()))}
+    out = {}
+    print(f"probe layer {probe.layer} {probe.kind}, threshold {probe.threshold:.3f}, on {args.data}:")
+    print("| prompts | tokens | Y=1 | AUC | F1 | precision | recall |\n|---|---|---|---|---|---|---|")
+    for name, rows in groups.items():
+        m = evaluate(probe.w, X[rows], data.labels[rows], threshold=probe.threshold)
+        out[name] = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in m.items()}
+        print(f"| {name} | {m['n']} | {m['positive_rate']:.3f} | {m['auc']:.4f} | {m['f1']:.4f} | "
+              f"{m['precision']:.4f} | {m['recall']:.4f} |")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"probe": str(args.probe), "data": str(args.data),
+                                               "sources": sorted({r["source"] for r in data.index}), "metrics": out},
+                                              indent=1) + "\n")
+    return 0
 
 
 def _train(args: argparse.Namespace, p: argparse.ArgumentParser, argv: list[str]) -> int:
@@ -165,8 +196,8 @@ def main(argv: list[str] | None = None) -> int:
                      help=f"target model: {', '.join(REGISTRY)}, a HF folder or a .gguf file (default %(default)s)")
     col.add_argument("--target-dtype", default="bfloat16", help="target weights dtype (default %(default)s)")
     col.add_argument("--prompts", type=int, default=400, help="number of prompts, kinds taking turns (default %(default)s)")
-    col.add_argument("--prompt-kinds", type=_names(ALL_PROMPT_KINDS), default=list(PROMPT_KINDS),
-                     help=f"comma-separated prompt kinds, of {','.join(ALL_PROMPT_KINDS)} "
+    col.add_argument("--prompt-kinds", type=_names(PROMPT_KINDS), default=list(PROMPT_KINDS),
+                     help=f"comma-separated prompt kinds, of {','.join(PROMPT_KINDS)} "
                           f"(default {','.join(PROMPT_KINDS)})")
     col.add_argument("--layers", type=_int_list, default=None, help="comma-separated decoder layers (default: every --layer-step-th)")
     col.add_argument("--layer-step", type=int, default=2, help="default layers 0, step, 2*step, ... (default %(default)s)")
@@ -193,7 +224,13 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     summ = sub.add_parser("summary", help="counts of a data folder")
     summ.add_argument("--data", required=True, help="data folder")
+    sc = sub.add_parser("score", help="score a trained probe on another data folder (AUC, F1 per prompt kind)")
+    sc.add_argument("--probe", required=True, help="probe file (.npz from train)")
+    sc.add_argument("--data", required=True, help="data folder written by collect (with the probe's layer and kind)")
+    sc.add_argument("--json", default=None, help="also write the metrics to this JSON file")
     args = p.parse_args(argv)
+    if args.cmd == "score":
+        return _score(args, p)
     if args.cmd == "collect":
         return _collect(args, p)
     if args.cmd == "train":
