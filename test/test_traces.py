@@ -10,7 +10,7 @@ from wisv_ros import models
 from wisv_ros.datasets import generate_gsm_symbolic
 from wisv_ros.decoding import generate_target_only
 from wisv_ros.lm import CausalLM
-from wisv_ros.traces import _continue_batch, answer_complete, collect_traces, label_mismatches, load_traces
+from wisv_ros.traces import _continue_batch, bench_labelling, _continue_shared, _shared_prefix_ok, answer_complete, collect_traces, label_mismatches, load_traces
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +56,34 @@ def test_collect_and_label_resume(pair, tmp_path):
     for p in lines:
         p["answer"] = p["answer"] or "424242"
     (out / "problems.jsonl").write_text("".join(json.dumps(p) + "\n" for p in lines))
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["target_dtype"] == str(target.model.dtype).removeprefix("torch.") and meta["k"] == 4
+    (out / "meta.json").write_text(json.dumps(dict(meta, target_dtype="float16")))
+    with pytest.raises(ValueError, match="--target-dtype float16"):
+        label_mismatches(target, out, batch_size=2, max_new_tokens=12)  # labels need the traces' dtype
+    (out / "meta.json").write_text(json.dumps(meta))
     first = label_mismatches(target, out, batch_size=2, max_new_tokens=12, limit=1)
     assert first["labelled"] == 1
     rest = label_mismatches(target, out, batch_size=2, max_new_tokens=12)
     assert rest["labelled"] == len(tr.records) - 1
     labels = load_traces(out).labels
     assert set(np.unique(labels)) <= {0, 1} and (labels >= 0).all()
+
+    # The labelling benchmark: both ways on the same mismatches give the same continuations.
+    n = min(3, max(len(v) for v in _by_problem(tr).values()))
+    rows = bench_labelling(target, out, n_branches=n, batch_size=2, max_new_tokens=8)
+    assert [r["way"] for r in rows] == ["per_context", "shared_prefix"]
+    assert all(r["labels"] == n and r["same_as_per_context"] == n and r["seconds"] > 0 for r in rows)
+    assert rows[0]["continuation_tokens"] == rows[1]["continuation_tokens"] > 0
+    with pytest.raises(ValueError, match="lower n_branches"):
+        bench_labelling(target, out, n_branches=10_000)
+
+
+def _by_problem(tr):
+    out = {}
+    for r in tr.records:
+        out.setdefault(r["problem_id"], []).append(r)
+    return out
 
 
 def test_batched_continuations_match_single(pair):
@@ -72,6 +94,33 @@ def test_batched_continuations_match_single(pair):
     for ctx, got in zip(contexts, batch):
         ref = generate_target_only(target, ctx, 8)
         assert got == ref.token_ids
+
+
+def test_shared_prefix_continuations_match_single(pair):
+    """One prefill of the answer, branches sliced out of its cache, rows leaving the batch as they
+    stop: the same tokens as decoding each substituted context alone."""
+    target, _ = pair
+    tok = target.tokenizer
+    prefix = tok("Tom has 3 apples and buys 4 more. Then he eats 2 of them. How many are left? He has").input_ids
+    branches = [(len(prefix) - 1, tok(" five").input_ids[-1]), (6, tok(" pears").input_ids[-1]),
+                (len(prefix), tok(" 5").input_ids[-1]), (10, tok(" sells").input_ids[-1]), (3, prefix[3])]
+    got: dict[int, list[int]] = {}
+    # The stop rule ends rows at different steps, so rows leave a batch while others go on.
+    for members, conts in _continue_shared(target, prefix, branches, 10, lambda text: "." in text, batch_size=3):
+        assert len(members) <= 3
+        got.update(zip(members, conts))
+    assert sorted(got) == list(range(len(branches)))
+    for i, (p, t) in enumerate(branches):
+        ref = generate_target_only(target, prefix[:p] + [t], 10, stop_text=lambda text: "." in text)
+        assert got[i] == ref.token_ids, f"branch {i}"
+    with pytest.raises(ValueError, match="branch point"):
+        next(_continue_shared(target, prefix, [(len(prefix) + 1, 5)], 4, lambda text: False, 2))
+
+
+def test_shared_prefix_only_within_a_sliding_window(pair):
+    target, _ = pair  # Gemma 3: sliding-window layers of 512
+    assert _shared_prefix_ok(target, 100)
+    assert not _shared_prefix_ok(target, 100_000)
 
 
 def test_train_head_cli_on_synthetic_traces(tmp_path):

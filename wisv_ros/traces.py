@@ -15,9 +15,11 @@ run in batches (one batched target pass advances many of them) and stop at their
 
 On-disk format of a trace folder (all appends, so runs resume where they stopped):
 
-    meta.json          drafter, target, k, dtype, hidden sizes, problem source and seed
-    problems.jsonl     one line per finished problem: id, answer (reference final number),
-                       prompt_ids, generated_ids (target vocabulary), rounds
+    meta.json          drafter, target, k, max_new_tokens, target_dtype, drafter_dtype, hidden
+                       sizes, source (problem generator and seed)
+    problems.jsonl     one line per finished problem: id, answer (the final number of the
+                       target's own answer, which the labels compare with), prompt_ids,
+                       generated_ids (target vocabulary), rounds
     mismatches.jsonl   one line per mismatch: uid, problem_id, round_id, position (index in the
                        generated answer), block_index, draft_id, target_id, shard, row
     hidden-NNNNN.npz   h_draft [n, d_draft] and h_target [n, d_target] (float16), rows as above
@@ -33,7 +35,7 @@ import json
 import re
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -42,7 +44,7 @@ from .datasets import Problem, build_prompt, extract_final_number
 from .decoding import DraftBlock, Drafter, Verdict, Verifier, encode_prompt, generate
 from .lm import CausalLM
 
-__all__ = ["TraceWriter", "collect_traces", "label_mismatches", "load_traces", "answer_complete"]
+__all__ = ["TraceWriter", "collect_traces", "label_mismatches", "load_traces", "answer_complete", "bench_labelling"]
 
 _SHARD_ROWS = 512
 # "The answer is 42." / "The answer is $1,234.50" followed by something that is not a digit.
@@ -78,8 +80,8 @@ class TraceWriter:
         meta_path = self.folder / "meta.json"
         if meta_path.is_file():
             old = json.loads(meta_path.read_text())
-            for key in ("drafter", "target", "k"):
-                if old.get(key) != meta.get(key):
+            for key in ("drafter", "target", "k", "target_dtype", "source"):
+                if key in old and old.get(key) != meta.get(key):
                     raise ValueError(
                         f"{meta_path}: {key} is {old.get(key)!r}, this run has {meta.get(key)!r}; "
                         "use another --out folder or the same settings"
@@ -125,6 +127,10 @@ class TraceWriter:
         self._rows_d, self._rows_t = [], []
 
 
+def _dtype_name(lm: CausalLM) -> str:
+    return str(lm.model.dtype).removeprefix("torch.")
+
+
 def collect_traces(
     drafter: CausalLM,
     target: CausalLM,
@@ -133,13 +139,18 @@ def collect_traces(
     k: int,
     max_new_tokens: int,
     progress: Callable[[Iterable], Iterable] = lambda it: it,
+    source: str = "",
 ) -> TraceWriter:
-    """Run greedy SD over ``problems`` and record the first mismatch of every round."""
+    """Run greedy SD over ``problems`` and record the first mismatch of every round.
+
+    ``source`` names where the problems come from (generator and seed), kept in meta.json.
+    """
     writer = TraceWriter(out, {
         "drafter": getattr(drafter.model.config, "_name_or_path", "drafter"),
         "target": getattr(target.model.config, "_name_or_path", "target"),
         "k": k, "max_new_tokens": max_new_tokens,
-        "d_draft": drafter.hidden_size, "d_target": target.hidden_size,
+        "target_dtype": _dtype_name(target), "drafter_dtype": _dtype_name(drafter),
+        "d_draft": drafter.hidden_size, "d_target": target.hidden_size, "source": source,
     })
     for problem in progress([p for p in problems if p.id not in writer.done]):
         prompt = build_prompt(problem, tokenizer_has_chat_template=bool(target.tokenizer.chat_template))
@@ -244,6 +255,86 @@ def _continue_batch(target: CausalLM, contexts: list[list[int]], max_new_tokens:
     return result
 
 
+def _shared_prefix_ok(target: CausalLM, longest: int) -> bool:
+    """Slices of one KV cache equal a fresh prefill unless a sliding-window layer already dropped
+    states: true when no window is in use or the longest sequence fits in it."""
+    cfg = target.model.config
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    window = getattr(cfg, "sliding_window", None)
+    if not window or getattr(cfg, "use_sliding_window", True) is False:
+        return True
+    return longest < window
+
+
+@torch.inference_mode()
+def _continue_shared(target: CausalLM, prefix: list[int], branches: list[tuple[int, int]], max_new_tokens: int,
+                     stop: Callable[[str], bool], batch_size: int) -> Iterator[tuple[list[int], list[list[int]]]]:
+    """Greedy continuations of ``prefix[:p] + [token]`` for every ``(p, token)`` in ``branches``,
+    yielded batch by batch as ``(branch indices, their continuations)``.
+
+    All branches of one answer share its prefix, so one forward pass over the longest prefix fills
+    a KV cache, and every batch of branches starts from slices of it (right-aligned, the left
+    padding masked out, positions given explicitly) instead of prefilling each context again.
+    Each pass then decodes one token for every row of the batch; a row leaves the batch when it
+    stops (``stop(text of its new tokens)`` or an end-of-sequence token), so the batch shrinks as
+    continuations finish. Same tokens as one-at-a-time greedy decoding up to the float rounding of
+    batched matmuls (tested).
+    """
+    from transformers import DynamicCache
+
+    model, tok, eos = target.model, target.tokenizer, target.eos_ids()
+    for p, _ in branches:
+        if not 1 <= p <= len(prefix):
+            raise ValueError(f"branch point {p} outside [1, {len(prefix)}]")
+    n_shared = max(p for p, _ in branches)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=torch.tensor([prefix[:n_shared]]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    shared = [(layer.keys, layer.values) for layer in cache.layers]
+    del cache
+    order = sorted(range(len(branches)), key=lambda i: -branches[i][0])  # similar prefix lengths together
+    for start in range(0, len(order), batch_size):
+        active = order[start:start + batch_size]
+        members = list(active)
+        conts: dict[int, list[int]] = {i: [] for i in active}
+        width = max(branches[i][0] for i in active)
+        batch = DynamicCache(config=model.config)
+        for li, (k, v) in enumerate(shared):
+            kb = k.new_zeros((len(active), k.shape[1], width, k.shape[3]))
+            vb = v.new_zeros((len(active), v.shape[1], width, v.shape[3]))
+            for j, i in enumerate(active):
+                p = branches[i][0]
+                kb[j, :, width - p:] = k[0, :, :p]
+                vb[j, :, width - p:] = v[0, :, :p]
+            batch.update(kb, vb, li)
+        valid = torch.zeros((len(active), width), dtype=torch.bool)
+        for j, i in enumerate(active):
+            valid[j, width - branches[i][0]:] = True
+        ids = torch.tensor([[branches[i][1]] for i in active])
+        pos = torch.tensor([[branches[i][0]] for i in active])
+        for _ in range(max_new_tokens):
+            valid = torch.cat([valid, torch.ones((len(active), 1), dtype=torch.bool)], dim=1)
+            out = model(input_ids=ids, past_key_values=batch, use_cache=True, logits_to_keep=1,
+                        attention_mask=valid[:, None, None, :], position_ids=pos)
+            nxt = out.logits[:, -1].argmax(-1)
+            keep = []
+            for j, i in enumerate(active):
+                t = int(nxt[j])
+                if t in eos:
+                    continue
+                conts[i].append(t)
+                if not stop(tok.decode(conts[i][-48:], skip_special_tokens=True)):
+                    keep.append(j)
+            if not keep:
+                break
+            if len(keep) < len(active):
+                idx = torch.tensor(keep)
+                batch.batch_select_indices(idx)
+                valid, pos, nxt = valid[idx], pos[idx], nxt[idx]
+                active = [active[j] for j in keep]
+            ids, pos = nxt[:, None], pos + 1
+        yield members, [conts[i] for i in members]
+
+
 def label_mismatches(
     target: CausalLM,
     folder: Path,
@@ -258,39 +349,102 @@ def label_mismatches(
     """
     folder = Path(folder)
     tr = load_traces(folder)
+    want = tr.meta.get("target_dtype")
+    if want is not None and want != _dtype_name(target):
+        # The labels compare with the target's own answer in the traces: same weights, same dtype.
+        raise ValueError(f"{folder} was collected with the target in {want}, this target is "
+                         f"{_dtype_name(target)}: label with --target-dtype {want}")
     # Problems whose own answer was cut off before a final number cannot be labelled.
     todo = [i for i, lab in enumerate(tr.labels)
             if lab < 0 and tr.problems[tr.records[i]["problem_id"]]["answer"] is not None]
     if limit is not None:
         todo = todo[:limit]
-    # Similar lengths in one batch waste less padding.
     def context(i: int) -> list[int]:
         r = tr.records[i]
         p = tr.problems[r["problem_id"]]
         return p["prompt_ids"] + p["generated_ids"][: r["position"]] + [r["draft_id"]]
 
-    todo.sort(key=lambda i: len(context(i)))
+    # One shared prefill per answer (see _continue_shared), unless a sliding window forbids it.
+    by_problem: dict[str, list[int]] = {}
+    for i in todo:
+        by_problem.setdefault(tr.records[i]["problem_id"], []).append(i)
     t0 = time.perf_counter()
     n = crit = 0
     bar = progress(total=len(todo)) if progress else None
     with (folder / "labels.jsonl").open("a") as f:
-        for start in range(0, len(todo), batch_size):
-            batch = todo[start:start + batch_size]
-            conts = _continue_batch(target, [context(i) for i in batch], max_new_tokens, answer_complete)
-            for i, cont in zip(batch, conts):
-                r = tr.records[i]
-                p = tr.problems[r["problem_id"]]
-                answer_ids = p["generated_ids"][: r["position"]] + [r["draft_id"]] + cont
-                answer = extract_final_number(target.tokenizer.decode(answer_ids, skip_special_tokens=True))
-                label = int(answer != p["answer"])
-                crit += label
-                f.write(json.dumps({"uid": r["uid"], "label": label, "answer": answer, "new_tokens": len(cont)}) + "\n")
-            f.flush()
-            n += len(batch)
-            if bar is not None:
-                bar.update(len(batch))
-                bar.set_postfix(critical=crit, per_hour=round(n / max(time.perf_counter() - t0, 1e-9) * 3600))
+        for pid, rows in by_problem.items():
+            p = tr.problems[pid]
+            prefix = p["prompt_ids"] + p["generated_ids"]
+            branches = [(len(p["prompt_ids"]) + tr.records[i]["position"], tr.records[i]["draft_id"]) for i in rows]
+            if _shared_prefix_ok(target, len(prefix) + max_new_tokens):
+                runs = _continue_shared(target, prefix, branches, max_new_tokens, answer_complete, batch_size)
+            else:
+                runs = ((chunk, _continue_batch(target, [context(rows[j]) for j in chunk], max_new_tokens, answer_complete))
+                        for chunk in ([list(range(c, min(c + batch_size, len(rows))))
+                                       for c in range(0, len(rows), batch_size)]))
+            for chunk, conts in runs:
+                for j, cont in zip(chunk, conts):
+                    r = tr.records[rows[j]]
+                    answer_ids = p["generated_ids"][: r["position"]] + [r["draft_id"]] + cont
+                    answer = extract_final_number(target.tokenizer.decode(answer_ids, skip_special_tokens=True))
+                    label = int(answer != p["answer"])
+                    crit += label
+                    f.write(json.dumps({"uid": r["uid"], "label": label, "answer": answer, "new_tokens": len(cont)}) + "\n")
+                f.flush()
+                n += len(chunk)
+                if bar is not None:
+                    bar.update(len(chunk))
+                    bar.set_postfix(critical=crit, per_hour=round(n / max(time.perf_counter() - t0, 1e-9) * 3600))
     if bar is not None:
         bar.close()
     dt = time.perf_counter() - t0
     return {"labelled": n, "critical": crit, "seconds": round(dt, 1), "labels_per_hour": round(n / dt * 3600) if dt > 0 else 0}
+
+
+def bench_labelling(target: CausalLM, folder: Path, n_branches: int = 8, batch_size: int = 8,
+                    max_new_tokens: int = 256, problem_id: str | None = None) -> list[dict]:
+    """Time the two ways of producing labels on the same mismatches of one traced answer.
+
+    ``per_context``: every substituted context prefilled on its own, ``batch_size`` rows per
+    ``generate`` call (left padding; a batch runs until its longest row stops).
+    ``shared_prefix``: one prefill of the answer, rows sliced out of its KV cache and leaving the
+    batch as they stop (what :func:`label_mismatches` does). Picks ``n_branches`` mismatches spread
+    over the answer (of ``problem_id``, default the first answer with enough of them) and returns one
+    row per way: seconds, labels per hour, continuation tokens, and how many continuations equal
+    the per-context ones (float rounding of batched matmuls can flip near-ties).
+    """
+    tr = load_traces(Path(folder))
+    by_problem: dict[str, list[int]] = {}
+    for i, r in enumerate(tr.records):
+        by_problem.setdefault(r["problem_id"], []).append(i)
+    if problem_id is None:
+        problem_id = next((pid for pid, rows in by_problem.items() if len(rows) >= n_branches), None)
+        if problem_id is None:
+            raise ValueError(f"{folder}: no traced answer has {n_branches} mismatches; lower n_branches")
+    if problem_id not in by_problem:
+        raise ValueError(f"{folder}: no mismatches of problem {problem_id!r}")
+    rows = by_problem[problem_id]
+    rows = [rows[int(j)] for j in np.linspace(0, len(rows) - 1, min(n_branches, len(rows))).round()]
+    p = tr.problems[problem_id]
+    prefix = p["prompt_ids"] + p["generated_ids"]
+    branches = [(len(p["prompt_ids"]) + tr.records[i]["position"], tr.records[i]["draft_id"]) for i in rows]
+    results, reference = [], None
+    for way in ("per_context", "shared_prefix"):
+        t0 = time.perf_counter()
+        if way == "per_context":
+            conts = []
+            for c in range(0, len(branches), batch_size):
+                conts += _continue_batch(target, [prefix[:b] + [t] for b, t in branches[c:c + batch_size]],
+                                         max_new_tokens, answer_complete)
+            reference = conts
+        else:
+            got: dict[int, list[int]] = {}
+            for members, cs in _continue_shared(target, prefix, branches, max_new_tokens, answer_complete, batch_size):
+                got.update(zip(members, cs))
+            conts = [got[i] for i in range(len(branches))]
+        dt = time.perf_counter() - t0
+        results.append({"way": way, "problem": problem_id, "labels": len(branches), "batch_size": batch_size,
+                        "seconds": round(dt, 2), "labels_per_hour": round(len(branches) / dt * 3600, 1),
+                        "continuation_tokens": sum(len(c) for c in conts),
+                        "same_as_per_context": sum(a == b for a, b in zip(conts, reference))})
+    return results

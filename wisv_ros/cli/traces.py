@@ -3,23 +3,26 @@
     python -m wisv_ros.cli.traces collect --out runs/traces/default --problems 200 --seed 0
     python -m wisv_ros.cli.traces label --out runs/traces/default --batch-size 8
     python -m wisv_ros.cli.traces summary --out runs/traces/default
+    python -m wisv_ros.cli.traces bench-label --out runs/traces/default --branches 8
 
 collect: greedy SD over gsm_symbolic problems (generated offline; never the GSM8K test problems),
 records the first mismatch of every round (hidden states, position, tokens). label: substitutes the
 draft token, lets the target finish greedily in batches, and marks the mismatch critical when the
 final answer changes. Both append to the folder and skip what is already done, so an interrupted
-run continues where it stopped. The format is described in ``wisv_ros/traces.py``.
+run continues where it stopped. bench-label: times labelling with one shared prefill per answer
+against prefilling every substituted context (table + CSV). The format is described in ``wisv_ros/traces.py``.
 """
 from __future__ import annotations
 
 import argparse
+import csv
 import sys
 from pathlib import Path
 
 from tqdm import tqdm
 
 from ..datasets import generate_gsm_symbolic
-from ..traces import collect_traces, label_mismatches, load_traces
+from ..traces import bench_labelling, collect_traces, label_mismatches, load_traces
 from .common import add_model_args, check_args, load_pair, set_threads
 
 
@@ -35,9 +38,16 @@ def main(argv: list[str] | None = None) -> int:
     lab.add_argument("--batch-size", type=int, default=8, help="continuations per batched target pass (default %(default)s)")
     lab.add_argument("--limit", type=int, default=None, help="label at most this many now")
     lab.add_argument("--max-new-tokens", type=int, default=256, help="continuation length limit (default %(default)s)")
+    ben = sub.add_parser("bench-label", help="time shared-prefix labelling against per-context prefills")
+    ben.add_argument("--out", required=True, help="trace folder (collected)")
+    ben.add_argument("--branches", type=int, default=8, help="mismatches of one answer to label both ways (default %(default)s)")
+    ben.add_argument("--batch-size", type=int, default=8, help="continuations per batch (default %(default)s)")
+    ben.add_argument("--max-new-tokens", type=int, default=256, help="continuation length limit (default %(default)s)")
+    ben.add_argument("--problem", default=None, help="problem id (default: the first with enough mismatches)")
+    ben.add_argument("--csv", default="runs/label_bench.csv", help="CSV output (default %(default)s)")
     summ = sub.add_parser("summary", help="counts of a trace folder")
     summ.add_argument("--out", required=True, help="trace folder")
-    for sp in (col, lab):
+    for sp in (col, lab, ben):
         add_model_args(sp)
     args = p.parse_args(argv)
 
@@ -55,8 +65,25 @@ def main(argv: list[str] | None = None) -> int:
         problems = generate_gsm_symbolic(args.problems, seed=args.seed)
         target, drafter = load_pair(args)
         w = collect_traces(drafter, target, problems, Path(args.out), args.k, args.max_new_tokens,
-                           progress=lambda it: tqdm(it, desc="traces", unit="problem", file=sys.stderr))
+                           progress=lambda it: tqdm(it, desc="traces", unit="problem", file=sys.stderr),
+                           source=f"gsm_symbolic, seed {args.seed}")
         print(f"{len(w.done)} problems, {w.n_records} mismatches in {args.out}")
+        return 0
+    if args.cmd == "bench-label":
+        if args.branches < 1 or args.batch_size < 1:
+            p.error(f"--branches and --batch-size must be >= 1 (got {args.branches}, {args.batch_size})")
+        target, _ = load_pair(args, need_drafter=False)
+        rows = bench_labelling(target, Path(args.out), args.branches, args.batch_size, args.max_new_tokens, args.problem)
+        cols = list(rows[0])
+        print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+        for r in rows:
+            print("| " + " | ".join(str(r[c]) for c in cols) + " |")
+        print(f"shared_prefix / per_context: {rows[0]['seconds'] / max(rows[1]['seconds'], 1e-9):.2f}x faster")
+        Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=cols)
+            w.writeheader()
+            w.writerows(rows)
         return 0
     if args.batch_size < 1:
         p.error(f"--batch-size must be >= 1 (got {args.batch_size})")
