@@ -53,9 +53,19 @@ def test_collect_and_label_resume(pair, tmp_path):
     # Label: without a final answer in 48 tokens the problem is unlabelable; give every problem an
     # answer so that the substitution decides the label, then label in two resumable steps.
     lines = [json.loads(line) for line in (out / "problems.jsonl").read_text().splitlines()]
+    cut = [p["id"] for p in lines if len(p["generated_ids"]) >= 48]
+    assert cut and all(p["answer"] is None for p in lines if p["id"] in cut)  # no final number: not labelled
+    cut_uid = next(r["uid"] for r in tr.records if r["problem_id"] in cut)
     for p in lines:
         p["answer"] = p["answer"] or "424242"
     (out / "problems.jsonl").write_text("".join(json.dumps(p) + "\n" for p in lines))
+    (out / "labels.jsonl").write_text(json.dumps({"uid": cut_uid, "label": 1, "answer": "1", "new_tokens": 1}) + "\n")
+    loaded = load_traces(out)
+    assert all(loaded.problems[pid]["answer"] is None for pid in cut)  # an answer written in later is not trusted
+    assert all(lab < 0 for r, lab in zip(loaded.records, loaded.labels) if r["problem_id"] in cut)  # nor its labels
+    # From here on, pretend the answers were complete.
+    (out / "meta.json").write_text(json.dumps(dict(json.loads((out / "meta.json").read_text()), max_new_tokens=10**6)))
+    (out / "labels.jsonl").unlink()
     meta = json.loads((out / "meta.json").read_text())
     assert meta["target_dtype"] == str(target.model.dtype).removeprefix("torch.") and meta["k"] == 4
     (out / "meta.json").write_text(json.dumps(dict(meta, target_dtype="float16")))
@@ -64,8 +74,16 @@ def test_collect_and_label_resume(pair, tmp_path):
     (out / "meta.json").write_text(json.dumps(meta))
     first = label_mismatches(target, out, batch_size=2, max_new_tokens=12, limit=1)
     assert first["labelled"] == 1
-    rest = label_mismatches(target, out, batch_size=2, max_new_tokens=12)
-    assert rest["labelled"] == len(tr.records) - 1
+    (first_pid,) = {r["problem_id"] for r, lab in zip(load_traces(out).records, load_traces(out).labels) if lab >= 0}
+    # Two shards (as two processes would): the second problem's, then the rest.
+    second = lines[1]["id"]
+    odd = label_mismatches(target, out, batch_size=2, max_new_tokens=12, shard=(1, 2))
+    assert odd["labelled"] == sum(r["problem_id"] == second for r in tr.records) - (first_pid == second)
+    assert {r["problem_id"] for r, lab in zip(load_traces(out).records, load_traces(out).labels) if lab >= 0} <= {first_pid, second}
+    rest = label_mismatches(target, out, batch_size=2, max_new_tokens=12, shard=(0, 2))
+    assert odd["labelled"] + rest["labelled"] == len(tr.records) - 1
+    with pytest.raises(ValueError, match="shard 2/2"):
+        label_mismatches(target, out, shard=(2, 2))
     labels = load_traces(out).labels
     assert set(np.unique(labels)) <= {0, 1} and (labels >= 0).all()
 

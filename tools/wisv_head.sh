@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The WISV decision head for the default pair, end to end (resumable; CPU hours on a 2-core machine):
 #   bash tools/wisv_head.sh [stage...]      stages: traces labels train tau eval (default: all)
-# Environment: WISV_TRACES (trace folder, default ~/.cache/wisv_ros/traces/default, outside the repo),
-# WISV_PROBLEMS (gsm_symbolic problems, default 200), WISV_THREADS (torch threads, default 2).
+# Environment: WISV_TRACES (trace folder, default data/traces/default in the checkout, so that labels
+# paid for in CPU hours can be committed), WISV_PROBLEMS (gsm_symbolic problems, default 200),
+# WISV_THREADS (torch threads, default 2; labelling runs that many 1-thread processes side by side).
+# Traces and labels use the target in float32 (on CPUs without bfloat16 units it decodes batches
+# twice as fast; labels must use the traces' dtype).
 # Every stage appends to / skips what exists, so an interrupted run continues where it stopped.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -10,7 +13,7 @@ bash "$ROOT/tools/setup.sh"
 # shellcheck disable=SC1091
 source "$ROOT/tools/env.sh"
 cd "$ROOT"
-TRACES="${WISV_TRACES:-$HOME/.cache/wisv_ros/traces/default}"
+TRACES="${WISV_TRACES:-$ROOT/data/traces/default}"
 PROBLEMS="${WISV_PROBLEMS:-200}"
 THREADS="${WISV_THREADS:-2}"
 HEADS="$ROOT/config/heads"
@@ -19,8 +22,14 @@ stages=("$@")
 python -m wisv_ros.cli.models prepare smollm2-135m-instruct qwen2.5-coder-1.5b-instruct
 for stage in "${stages[@]}"; do
   case "$stage" in
-    traces) python -m wisv_ros.cli.traces collect --out "$TRACES" --problems "$PROBLEMS" --seed 0 --threads "$THREADS" ;;
-    labels) python -m wisv_ros.cli.traces label --out "$TRACES" --batch-size 8 --threads "$THREADS"
+    traces) python -m wisv_ros.cli.traces collect --out "$TRACES" --problems "$PROBLEMS" --seed 0 --threads "$THREADS" \
+              --target-dtype float32 ;;
+    labels) pids=()
+            for ((i = 0; i < THREADS; i++)); do
+              python -m wisv_ros.cli.traces label --out "$TRACES" --batch-size 16 --threads 1 \
+                --target-dtype float32 --shard "$i/$THREADS" & pids+=($!)
+            done
+            for pid in "${pids[@]}"; do wait "$pid"; done
             python -m wisv_ros.cli.traces summary --out "$TRACES" ;;
     train)  mkdir -p "$HEADS"
             python -m wisv_ros.cli.train_head --traces "$TRACES" --out "$HEADS/default.onnx"

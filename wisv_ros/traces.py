@@ -18,7 +18,8 @@ On-disk format of a trace folder (all appends, so runs resume where they stopped
     meta.json          drafter, target, k, max_new_tokens, target_dtype, drafter_dtype, hidden
                        sizes, source (problem generator and seed)
     problems.jsonl     one line per finished problem: id, answer (the final number of the
-                       target's own answer, which the labels compare with), prompt_ids,
+                       target's own answer, which the labels compare with; null when the
+                       answer ran into max_new_tokens: such problems are not labelled), prompt_ids,
                        generated_ids (target vocabulary), rounds
     mismatches.jsonl   one line per mismatch: uid, problem_id, round_id, position (index in the
                        generated answer), block_index, draft_id, target_id, shard, row
@@ -170,7 +171,9 @@ def collect_traces(
         d = Drafter(drafter, target_tokenizer=target.tokenizer)
         gen = generate(d, Verifier(target), prompt, max_new_tokens, k, on_round=on_round, stop_text=answer_complete)
         prompt_ids = encode_prompt(target.tokenizer, prompt)
-        writer.add_problem(problem.id, extract_final_number(gen.text), prompt_ids, gen.token_ids,
+        # An answer cut off by max_new_tokens has no final number to compare with (see load_traces).
+        answer = None if len(gen.token_ids) >= max_new_tokens else extract_final_number(gen.text)
+        writer.add_problem(problem.id, answer, prompt_ids, gen.token_ids,
                            gen.stats.rounds, records, hd, ht)
     return writer
 
@@ -191,6 +194,12 @@ def load_traces(folder: Path) -> Traces:
     folder = Path(folder)
     meta = json.loads((folder / "meta.json").read_text())
     problems = {p["id"]: p for p in _read_jsonl(folder / "problems.jsonl")}
+    # An answer that ran into max_new_tokens was cut off: whatever number it ends with is not its
+    # final answer, so the problem cannot be labelled (its labels, if any, are ignored).
+    cut = meta.get("max_new_tokens")
+    for p in problems.values():
+        if cut is not None and len(p["generated_ids"]) >= cut:
+            p["answer"] = None
     # Records of problems that never finished writing (interrupted run) are dropped.
     # A problem redone after an interrupted run appends its records again: the last copy wins.
     by_uid = {r["uid"]: r for r in _read_jsonl(folder / "mismatches.jsonl") if r["problem_id"] in problems}
@@ -210,7 +219,8 @@ def load_traces(folder: Path) -> Traces:
         records=records,
         h_draft=np.stack(hd).astype(np.float32) if hd else np.zeros((0, d_d), np.float32),
         h_target=np.stack(ht).astype(np.float32) if ht else np.zeros((0, d_t), np.float32),
-        labels=np.array([labels.get(r["uid"], -1) for r in records], dtype=np.int8),
+        labels=np.array([labels.get(r["uid"], -1) if problems[r["problem_id"]]["answer"] is not None else -1
+                         for r in records], dtype=np.int8),
         problems=problems,
     )
 
@@ -342,8 +352,12 @@ def label_mismatches(
     max_new_tokens: int = 256,
     limit: int | None = None,
     progress: Callable | None = None,
+    shard: tuple[int, int] = (0, 1),
 ) -> dict:
     """Label the unlabelled mismatches of a trace folder; appends to labels.jsonl (resumable).
+
+    ``shard=(i, n)`` labels only the problems whose index in problems.jsonl is i modulo n, so that
+    n processes (one per core) can label one folder side by side.
 
     Returns {"labelled": n, "critical": n, "seconds": s, "labels_per_hour": r}.
     """
@@ -355,8 +369,13 @@ def label_mismatches(
         raise ValueError(f"{folder} was collected with the target in {want}, this target is "
                          f"{_dtype_name(target)}: label with --target-dtype {want}")
     # Problems whose own answer was cut off before a final number cannot be labelled.
+    i_shard, n_shards = shard
+    if not 0 <= i_shard < n_shards:
+        raise ValueError(f"shard {i_shard}/{n_shards}: need 0 <= i < n")
+    mine = {pid for j, pid in enumerate(tr.problems) if j % n_shards == i_shard}
     todo = [i for i, lab in enumerate(tr.labels)
-            if lab < 0 and tr.problems[tr.records[i]["problem_id"]]["answer"] is not None]
+            if lab < 0 and tr.problems[tr.records[i]["problem_id"]]["answer"] is not None
+            and tr.records[i]["problem_id"] in mine]
     if limit is not None:
         todo = todo[:limit]
     def context(i: int) -> list[int]:

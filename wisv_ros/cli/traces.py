@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     lab.add_argument("--batch-size", type=int, default=8, help="continuations per batched target pass (default %(default)s)")
     lab.add_argument("--limit", type=int, default=None, help="label at most this many now")
     lab.add_argument("--max-new-tokens", type=int, default=256, help="continuation length limit (default %(default)s)")
+    lab.add_argument("--shard", default="0/1", help="I/N: label only problems I, I+N, I+2N, ... (run N processes side by side; default %(default)s)")
     ben = sub.add_parser("bench-label", help="time shared-prefix labelling against per-context prefills")
     ben.add_argument("--out", required=True, help="trace folder (collected)")
     ben.add_argument("--branches", type=int, default=8, help="mismatches of one answer to label both ways (default %(default)s)")
@@ -87,9 +88,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.batch_size < 1:
         p.error(f"--batch-size must be >= 1 (got {args.batch_size})")
+    try:
+        shard = tuple(int(x) for x in args.shard.split("/"))
+        if len(shard) != 2 or not 0 <= shard[0] < shard[1]:
+            raise ValueError
+    except ValueError:
+        p.error(f"--shard must be I/N with 0 <= I < N, e.g. 0/2 (got {args.shard!r})")
     target, _ = load_pair(args, need_drafter=False)
     res = label_mismatches(target, Path(args.out), batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                           limit=args.limit, progress=lambda total: tqdm(total=total, desc="labels", unit="label", file=sys.stderr))
+                           limit=args.limit, shard=shard, progress=lambda total: tqdm(total=total, desc="labels", unit="label", file=sys.stderr))
     print(f"labelled {res['labelled']} ({res['critical']} critical) in {res['seconds']} s: {res['labels_per_hour']} labels/hour")
     return 0
 
