@@ -10,7 +10,9 @@ from wisv_ros import models
 from wisv_ros.datasets import generate_gsm_symbolic
 from wisv_ros.decoding import generate_target_only
 from wisv_ros.lm import CausalLM
-from wisv_ros.traces import _continue_batch, bench_labelling, _continue_shared, _shared_prefix_ok, answer_complete, collect_traces, label_mismatches, load_traces
+from wisv_ros.cli.traces import main as traces_cli
+from wisv_ros.traces import (_continue_batch, _continue_shared, _shared_prefix_ok, answer_complete, bench_labelling,
+                             collect_traces, label_mismatches, load_traces)
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +97,14 @@ def test_collect_and_label_resume(pair, tmp_path):
     assert rows[0]["continuation_tokens"] == rows[1]["continuation_tokens"] > 0
     with pytest.raises(ValueError, match="lower n_branches"):
         bench_labelling(target, out, n_branches=10_000)
+    # The CLI prints the table and writes the CSV; a bad --shard is refused before any model loads.
+    csv_path = tmp_path / "bench.csv"
+    assert traces_cli(["bench-label", "--out", str(out), "--branches", "2", "--batch-size", "2", "--max-new-tokens", "4",
+                       "--target", "gemma3-270m", "--target-dtype", str(target.model.dtype).removeprefix("torch."),
+                       "--csv", str(csv_path)]) == 0
+    assert csv_path.read_text().splitlines()[0].startswith("way,problem,labels") and len(csv_path.read_text().splitlines()) == 3
+    with pytest.raises(SystemExit):
+        traces_cli(["label", "--out", str(out), "--shard", "2/2"])
 
 
 def _by_problem(tr):
