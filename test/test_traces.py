@@ -88,6 +88,11 @@ def test_collect_and_label_resume(pair, tmp_path):
         label_mismatches(target, out, shard=(2, 2))
     labels = load_traces(out).labels
     assert set(np.unique(labels)) <= {0, 1} and (labels >= 0).all()
+    # A continuation that used its whole budget (12) without a final answer has none: critical.
+    labs = [json.loads(line) for line in (out / "labels.jsonl").read_text().splitlines()]
+    truncated = [lab for lab in labs if lab["new_tokens"] >= 12]
+    assert any(lab["answer"] is None for lab in truncated)
+    assert all(lab["label"] == 1 for lab in truncated if lab["answer"] is None)
 
     # The labelling benchmark: both ways on the same mismatches give the same continuations.
     n = min(3, max(len(v) for v in _by_problem(tr).values()))

@@ -128,6 +128,12 @@ class TraceWriter:
         self._rows_d, self._rows_t = [], []
 
 
+def _model_name(lm: CausalLM, default: str) -> str:
+    """The model's folder name (the registry name for converted models), not its path: a trace
+    folder committed on one machine resumes on another whose cache lives elsewhere."""
+    return Path(str(getattr(lm.model.config, "_name_or_path", "") or default)).name
+
+
 def _dtype_name(lm: CausalLM) -> str:
     return str(lm.model.dtype).removeprefix("torch.")
 
@@ -147,8 +153,8 @@ def collect_traces(
     ``source`` names where the problems come from (generator and seed), kept in meta.json.
     """
     writer = TraceWriter(out, {
-        "drafter": getattr(drafter.model.config, "_name_or_path", "drafter"),
-        "target": getattr(target.model.config, "_name_or_path", "target"),
+        "drafter": _model_name(drafter, "drafter"),
+        "target": _model_name(target, "target"),
         "k": k, "max_new_tokens": max_new_tokens,
         "target_dtype": _dtype_name(target), "drafter_dtype": _dtype_name(drafter),
         "d_draft": drafter.hidden_size, "d_target": target.hidden_size, "source": source,
@@ -349,7 +355,7 @@ def label_mismatches(
     target: CausalLM,
     folder: Path,
     batch_size: int = 8,
-    max_new_tokens: int = 256,
+    max_new_tokens: int | None = None,
     limit: int | None = None,
     progress: Callable | None = None,
     shard: tuple[int, int] = (0, 1),
@@ -359,10 +365,17 @@ def label_mismatches(
     ``shard=(i, n)`` labels only the problems whose index in problems.jsonl is i modulo n, so that
     n processes (one per core) can label one folder side by side.
 
+    ``max_new_tokens`` caps each continuation (default: the answer budget the traces were collected
+    with, so that no substituted answer gets fewer tokens than the target's own had). A
+    continuation that reaches the cap without stating a final answer counts as a changed answer
+    (critical): the substitution made the target miss its budget.
+
     Returns {"labelled": n, "critical": n, "seconds": s, "labels_per_hour": r}.
     """
     folder = Path(folder)
     tr = load_traces(folder)
+    if max_new_tokens is None:
+        max_new_tokens = int(tr.meta.get("max_new_tokens", 256))
     want = tr.meta.get("target_dtype")
     if want is not None and want != _dtype_name(target):
         # The labels compare with the target's own answer in the traces: same weights, same dtype.
@@ -405,7 +418,9 @@ def label_mismatches(
                 for j, cont in zip(chunk, conts):
                     r = tr.records[rows[j]]
                     answer_ids = p["generated_ids"][: r["position"]] + [r["draft_id"]] + cont
-                    answer = extract_final_number(target.tokenizer.decode(answer_ids, skip_special_tokens=True))
+                    text = target.tokenizer.decode(answer_ids, skip_special_tokens=True)
+                    cut_off = len(cont) >= max_new_tokens and not answer_complete(text)
+                    answer = None if cut_off else extract_final_number(text)
                     label = int(answer != p["answer"])
                     crit += label
                     f.write(json.dumps({"uid": r["uid"], "label": label, "answer": answer, "new_tokens": len(cont)}) + "\n")

@@ -37,7 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     lab.add_argument("--out", required=True, help="trace folder")
     lab.add_argument("--batch-size", type=int, default=8, help="continuations per batched target pass (default %(default)s)")
     lab.add_argument("--limit", type=int, default=None, help="label at most this many now")
-    lab.add_argument("--max-new-tokens", type=int, default=256, help="continuation length limit (default %(default)s)")
+    lab.add_argument("--max-new-tokens", type=int, default=None,
+                     help="continuation length limit; reaching it without a final answer counts as critical "
+                          "(default: the traces' own answer budget)")
     lab.add_argument("--shard", default="0/1", help="I/N: label only problems I, I+N, I+2N, ... (run N processes side by side; default %(default)s)")
     ben = sub.add_parser("bench-label", help="time shared-prefix labelling against per-context prefills")
     ben.add_argument("--out", required=True, help="trace folder (collected)")
