@@ -381,11 +381,11 @@ def label_mismatches(
         # The labels compare with the target's own answer in the traces: same weights, same dtype.
         raise ValueError(f"{folder} was collected with the target in {want}, this target is "
                          f"{_dtype_name(target)}: label with --target-dtype {want}")
-    # Problems whose own answer was cut off before a final number cannot be labelled.
     i_shard, n_shards = shard
     if not 0 <= i_shard < n_shards:
         raise ValueError(f"shard {i_shard}/{n_shards}: need 0 <= i < n")
     mine = {pid for j, pid in enumerate(tr.problems) if j % n_shards == i_shard}
+    # Problems whose own answer was cut off before a final number cannot be labelled.
     todo = [i for i, lab in enumerate(tr.labels)
             if lab < 0 and tr.problems[tr.records[i]["problem_id"]]["answer"] is not None
             and tr.records[i]["problem_id"] in mine]
