@@ -5,8 +5,8 @@
     python -m wisv_ros.cli.probe summary --data runs/probe/default
     python -m wisv_ros.cli.probe score --probe config/probes/copy_probe.npz --data runs/probe/other
 
-collect: builds repetition prompts from HumanEval canonical solutions (rename, annotate, quote and
-the non-copy control "explain"), lets the target complete them greedily and stores the captured
+collect: builds repetition prompts from HumanEval canonical solutions (rename, annotate, quote, the
+non-copy control "explain", excerpt and two-turn "turns"; --prompt-kinds picks some), lets the target complete them greedily and stores the captured
 hidden states of the chosen layers (default every 2nd layer, post_attn and post_mlp) with the copy
 labels (Y = 1 inside a verbatim run of >= 5 tokens seen earlier). Appends to the folder and skips
 prompts already stored, so an interrupted run continues where it stopped.
