@@ -362,7 +362,7 @@ def test_pip_launcher_runs_the_system(ros_node, tmp_path):
                 outcome = client.generate(" ".join(map(str, PROMPT_IDS)), timeout=120.0, max_new_tokens=n)
                 if "not loaded yet" not in outcome.result.error:
                     break
-            except RuntimeError:  # rejected
+            except (RuntimeError, TimeoutError):  # rejected, or the goal response lost or late
                 pass
             assert time.monotonic() < deadline, "models not loaded\n" + launch.text()
             time.sleep(1.0)

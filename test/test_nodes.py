@@ -144,7 +144,7 @@ class Pair:
                 run = Run(self, self.client.start(PROMPT, **goal))
                 self.runs.append(run)
                 return run
-            except RuntimeError:
+            except (RuntimeError, TimeoutError):  # rejected, or the goal response lost or late
                 assert time.monotonic() < deadline, "drafter never accepted a goal\n" + self.logs()
                 self.verdicts.wait_for(lambda m: False, 0.5)
 

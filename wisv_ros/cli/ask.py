@@ -108,7 +108,7 @@ def _start_goal(client, prompt: str, goal: dict, waiter: _Waiter):
     while True:
         try:
             return client.start(prompt, **goal)
-        except RuntimeError:  # rejected: drafter model loading (or failed: its log says)
+        except (RuntimeError, TimeoutError):  # rejected (model loading or failed: its log says), or no answer yet
             waiter.check("drafter_node kept rejecting the goal (model loading or failed: see its log)")
             waiter.note("waiting for the drafter to load its model")
             time.sleep(1.0)

@@ -142,7 +142,12 @@ class GenerateClient:
 
     def start(self, prompt: str, max_new_tokens: int = 0, method: str = "", k: int = 0, tau: float = -1.0,
               protocol: str = "", temperature: float = -1.0, timeout: float = 10.0) -> GoalRun:
-        """Send a goal (0 / "" / negative = the drafter node's defaults); raises if it is rejected."""
+        """Send a goal (0 / "" / negative = the drafter node's defaults).
+
+        Raises RuntimeError if the drafter rejects it (model loading or failed), TimeoutError if no goal
+        response comes within ``timeout`` (the first response right after discovery can be lost, or
+        come late while the node loads its model); sending again is safe: goals run one at a time.
+        """
         goal = self._Generate.Goal()
         goal.prompt, goal.max_new_tokens, goal.method = prompt, max_new_tokens, method
         goal.k, goal.tau, goal.protocol, goal.temperature = k, tau, protocol, temperature
