@@ -167,19 +167,27 @@ def test_train_head_cli_on_synthetic_traces(tmp_path):
     w = TraceWriter(tmp_path / "tr", {"drafter": "d", "target": "t", "k": 8, "d_draft": d_d, "d_target": d_t})
     labels = []
     for p in range(12):
-        n = 5
+        n = 12
         recs = [{"round_id": r, "position": 3 * r, "block_index": 0, "draft_id": 1, "target_id": 2} for r in range(n)]
         hd = [rng.normal(size=d_d).astype(np.float32) for _ in range(n)]
         ht = [rng.normal(size=d_t).astype(np.float32) for _ in range(n)]
-        w.add_problem(f"p{p}", "1", [0], list(range(20)), n, recs, hd, ht)
+        w.add_problem(f"p{p}", "1", [0], list(range(40)), n, recs, hd, ht)
         labels += [(f"p{p}:{r}", int(hd[r][0] > 0)) for r in range(n)]
     with (tmp_path / "tr" / "labels.jsonl").open("w") as f:
         for uid, lab in labels:
             f.write(json.dumps({"uid": uid, "label": lab, "answer": None, "new_tokens": 0}) + "\n")
     out = tmp_path / "head.onnx"
-    assert train_main(["--traces", str(tmp_path / "tr"), "--out", str(out), "--epochs", "3", "--channels", "4"]) == 0
+    assert train_main(["--traces", str(tmp_path / "tr"), "--out", str(out), "--epochs", "20", "--lr", "0.01", "--channels", "4",
+                       "--cv"]) == 0
     meta = json.loads(sidecar_path(out).read_text())
-    assert meta["csi_relabeling"] is True and "--epochs 3" in meta["command"]
+    assert meta["csi_relabeling"] is True and "--epochs 20" in meta["command"]
+    # Cross-validation held out every problem once and scored all 144 mismatches against their base labels;
+    # the label is a sign of one drafter feature, which held-out problems share.
+    cv = meta["cv"]
+    assert (cv["problems"], cv["mismatches"], cv["critical"]) == (12, 144, sum(lab for _, lab in labels))
+    assert set(cv["auc"]) == {"20mbps_5ms", "20mbps_50ms", "500mbps_5ms", "500mbps_50ms"}
+    assert all(len(folds) == 12 for folds in cv["fold_auc"].values())
+    assert cv["auc"]["500mbps_5ms"] > 0.8, cv
     head = OnnxHead(out)
     p = head.reject_prob(np.zeros((2, d_d), np.float32), np.zeros((2, d_t), np.float32), np.zeros(3, np.float32))
     assert p.shape == (2,) and ((p >= 0) & (p <= 1)).all()

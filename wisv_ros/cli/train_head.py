@@ -8,6 +8,14 @@ sets (``--val-share``) so that no problem contributes to both. Each episode is r
 states of ``--trace-file`` files, and random states), with the soft policy of Eq. 31. ``--no-csi``
 trains the ablation head on the base labels b_t instead. The ONNX file gets a JSON sidecar with
 the models, the sizes and this command line.
+
+The validation AUC printed per epoch is measured on the problems that also choose the epoch, so
+with few labelled problems it flatters the head. ``--cv`` adds an estimate that does not: nested
+leave-one-problem-out cross-validation. Each problem in turn is held out; the next one in the
+shuffled order picks the epoch; the head is trained on the rest (same relabeling and settings)
+and scores the held-out problem's mismatches with the channel features of each named scenario.
+The pooled AUC of those scores against the base labels b_t (critical or not) is reported per
+scenario and written into the sidecar (``cv``); it costs one training per problem.
 """
 from __future__ import annotations
 
@@ -18,9 +26,10 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
-from ..head import export_onnx, train_head
-from ..link import ChannelTrace, WireFormat
+from ..head import export_onnx, roc_auc, train_head
+from ..link import SCENARIOS, ChannelTrace, WireFormat
 from ..relabel import ChannelDistribution, Episode, RelabelConfig, make_instances, make_instances_no_csi
 from ..traces import load_traces
 
@@ -47,6 +56,38 @@ def episodes_from_traces(folders: list[Path]) -> tuple[list[Episode], list[str],
     return episodes, ids, meta
 
 
+def cross_validate(episodes: list[Episode], make, train_kwargs: dict, order: np.ndarray) -> dict:
+    """Nested leave-one-problem-out AUC against the base labels, per named scenario (see module doc).
+
+    ``make(episodes, seed_offset) -> (X, y)`` builds training instances; ``order`` is the shuffled problem
+    order (the problem after the held-out one picks the epoch). Returns {"problems", "mismatches",
+    "critical", "auc": {scenario: pooled AUC}, "fold_auc": {scenario: [AUC per held-out problem, None where it has one class]}}.
+    """
+    if len(episodes) < 3:
+        raise ValueError(f"cross-validation needs labelled mismatches from at least 3 problems, found {len(episodes)}")
+    scores: dict[str, list[np.ndarray]] = {name: [] for name in SCENARIOS}
+    fold_auc: dict[str, list[float]] = {name: [] for name in SCENARIOS}
+    truth = []
+    for j in tqdm(range(len(order)), desc="cross-validation", unit="problem"):
+        held, picker = int(order[j]), int(order[(j + 1) % len(order)])
+        rest = [episodes[int(i)] for i in order if int(i) not in (held, picker)]
+        X, y = make(rest, 0)
+        Xp, yp = make([episodes[picker]], 1)
+        head, _ = train_head(X, y, Xp, yp, progress=False, **train_kwargs)
+        ep = episodes[held]
+        truth.append(ep.labels >= 1)
+        for name, ch in SCENARIOS.items():
+            c = np.broadcast_to(ch.features(), (len(ep), len(ch.features())))
+            p = head.reject_prob(np.concatenate([ep.h_draft, ep.h_target, c], axis=1)).numpy()
+            scores[name].append(p)
+            auc = roc_auc(p, truth[-1])
+            fold_auc[name].append(None if auc != auc else auc)  # None: the problem has one class only
+    y_all = np.concatenate(truth)
+    return {"problems": len(episodes), "mismatches": int(y_all.size), "critical": int(y_all.sum()),
+            "auc": {name: roc_auc(np.concatenate(v), y_all) for name, v in scores.items()},
+            "fold_auc": fold_auc}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m wisv_ros.cli.train_head", description=__doc__.split("\n\n")[0])
     p.add_argument("--traces", action="append", required=True, help="labelled trace folder (repeatable)")
@@ -64,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cv", action="store_true",
+                   help="also run nested leave-one-problem-out cross-validation (one training per problem)")
     args = p.parse_args(argv)
     if not 0 < args.val_share < 1:
         p.error(f"--val-share must be in (0, 1) (got {args.val_share})")
@@ -74,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(episodes) < 2:
         p.error(f"need labelled mismatches from at least 2 problems, found {len(episodes)}; run "
                 "python -m wisv_ros.cli.traces collect/label first")
+    if args.cv and len(episodes) < 3:
+        p.error(f"--cv needs labelled mismatches from at least 3 problems, found {len(episodes)}")
     rng = np.random.default_rng(args.seed)
     order = rng.permutation(len(episodes))
     n_val = max(1, int(round(args.val_share * len(episodes))))
@@ -82,16 +127,26 @@ def main(argv: list[str] | None = None) -> int:
     dist = ChannelDistribution(traces=[ChannelTrace.load(f) for f in args.trace_file])
     d_draft = int(episodes[0].h_draft.shape[1])
     if args.no_csi:
-        X, y = make_instances_no_csi(train, dist, args.channels, args.seed)
-        Xv, yv = make_instances_no_csi(val, dist, args.channels, args.seed + 1)
+        def make(eps, offset):
+            return make_instances_no_csi(eps, dist, args.channels, args.seed + offset)
     else:
         cfg = RelabelConfig(fmt=WireFormat(hidden_dim=d_draft), round_compute_s=args.round_compute_s,
                             k=args.k, alpha=args.alpha, rho=args.rho)
-        X, y = make_instances(train, dist, args.channels, args.seed, config=cfg)
-        Xv, yv = make_instances(val, dist, args.channels, args.seed + 1, config=cfg)
+
+        def make(eps, offset):
+            return make_instances(eps, dist, args.channels, args.seed + offset, config=cfg)
+    X, y = make(train, 0)
+    Xv, yv = make(val, 1)
     print(f"instances: train {len(y)} (positive share {float((y >= 0.5).mean()):.3f}), val {len(yv)}", file=sys.stderr)
-    head, hist = train_head(X, y, Xv, yv, d_draft=d_draft, hidden=args.hidden, dropout=args.dropout,
-                            epochs=args.epochs, lr=args.lr, seed=args.seed)
+    train_kwargs = dict(d_draft=d_draft, hidden=args.hidden, dropout=args.dropout, epochs=args.epochs, lr=args.lr,
+                        seed=args.seed)
+    head, hist = train_head(X, y, Xv, yv, **train_kwargs)
+    cv = None
+    if args.cv:
+        cv = cross_validate(episodes, make, train_kwargs, order)
+        print("cross-validated AUC against the base labels (" + f"{cv['problems']} problems, {cv['mismatches']} "
+              f"mismatches, {cv['critical']} critical): "
+              + ", ".join(f"{name} {auc:.3f}" for name, auc in cv["auc"].items()), file=sys.stderr)
     best = hist.best
     sidecar = export_onnx(head, args.out, meta={
         "drafter": meta.get("drafter"), "target": meta.get("target"),
@@ -99,10 +154,12 @@ def main(argv: list[str] | None = None) -> int:
         "relabel": {"alpha": args.alpha, "rho": args.rho, "k": args.k, "round_compute_s": args.round_compute_s},
         "train_problems": len(train), "val_problems": len(val),
         "val_loss": best.val_loss, "val_auc": best.val_auc, "val_accuracy": best.val_accuracy,
+        "best_epoch": best.epoch, "cv": cv,
         "command": "python -m wisv_ros.cli.train_head " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
     })
     print(json.dumps({"out": args.out, "sidecar": str(sidecar), "best_epoch": best.epoch,
-                      "val_auc": round(best.val_auc, 4), "val_loss": round(best.val_loss, 4)}))
+                      "val_auc": round(best.val_auc, 4), "val_loss": round(best.val_loss, 4),
+                      **({"cv_auc": {k: round(v, 4) for k, v in cv["auc"].items()}} if cv else {})}))
     return 0
 
 
