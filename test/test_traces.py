@@ -188,6 +188,11 @@ def test_train_head_cli_on_synthetic_traces(tmp_path):
     assert set(cv["auc"]) == {"20mbps_5ms", "20mbps_50ms", "500mbps_5ms", "500mbps_50ms"}
     assert all(len(folds) == 12 for folds in cv["fold_auc"].values())
     assert cv["auc"]["500mbps_5ms"] > 0.8, cv
+    curve = cv["tau_curve"]["20mbps_50ms"]
+    assert [c["tau"] for c in curve] == [0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9]
+    for key in ("accepted", "critical_accepted", "problems_hit"):  # a larger tau accepts more
+        assert all(a[key] <= b[key] for a, b in zip(curve, curve[1:])), (key, curve)
+    assert curve[-1]["critical_accepted"] < curve[-1]["accepted"]  # the head tells critical mismatches apart
     head = OnnxHead(out)
     p = head.reject_prob(np.zeros((2, d_d), np.float32), np.zeros((2, d_t), np.float32), np.zeros(3, np.float32))
     assert p.shape == (2,) and ((p >= 0) & (p <= 1)).all()

@@ -56,12 +56,19 @@ def episodes_from_traces(folders: list[Path]) -> tuple[list[Episode], list[str],
     return episodes, ids, meta
 
 
+CV_TAUS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9)  # the head's probabilities sit low: few critical labels
+
+
 def cross_validate(episodes: list[Episode], make, train_kwargs: dict, order: np.ndarray) -> dict:
     """Nested leave-one-problem-out AUC against the base labels, per named scenario (see module doc).
 
     ``make(episodes, seed_offset) -> (X, y)`` builds training instances; ``order`` is the shuffled problem
     order (the problem after the held-out one picks the epoch). Returns {"problems", "mismatches",
-    "critical", "auc": {scenario: pooled AUC}, "fold_auc": {scenario: [AUC per held-out problem, None where it has one class]}}.
+    "critical", "auc": {scenario: pooled AUC}, "fold_auc": {scenario: [AUC per held-out problem, None where it has one class]},
+    "tau_curve": {scenario: [{"tau", "accepted", "critical_accepted", "problems_hit"}]}}: for each tau of
+    ``CV_TAUS`` the share of held-out mismatches a tau accepts (head probability < tau), of critical ones, and of
+    problems where it accepts at least one critical mismatch (an answer that changes, if that
+    mismatch came up as it did in the trace).
     """
     if len(episodes) < 3:
         raise ValueError(f"cross-validation needs labelled mismatches from at least 3 problems, found {len(episodes)}")
@@ -83,9 +90,17 @@ def cross_validate(episodes: list[Episode], make, train_kwargs: dict, order: np.
             auc = roc_auc(p, truth[-1])
             fold_auc[name].append(None if auc != auc else auc)  # None: the problem has one class only
     y_all = np.concatenate(truth)
+    taus = list(CV_TAUS)
+    curve = {}
+    for name, v in scores.items():  # what a tau would accept: all mismatches, critical ones, problems hit
+        p_all = np.concatenate(v)
+        curve[name] = [{"tau": tau, "accepted": float(np.mean(p_all < tau)),
+                        "critical_accepted": float(np.mean(p_all[y_all] < tau)) if y_all.any() else None,
+                        "problems_hit": float(np.mean([bool(np.any((p < tau) & t)) for p, t in zip(v, truth)]))}
+                       for tau in taus]
     return {"problems": len(episodes), "mismatches": int(y_all.size), "critical": int(y_all.sum()),
             "auc": {name: roc_auc(np.concatenate(v), y_all) for name, v in scores.items()},
-            "fold_auc": fold_auc}
+            "fold_auc": fold_auc, "tau_curve": curve}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,6 +162,13 @@ def main(argv: list[str] | None = None) -> int:
         print("cross-validated AUC against the base labels (" + f"{cv['problems']} problems, {cv['mismatches']} "
               f"mismatches, {cv['critical']} critical): "
               + ", ".join(f"{name} {auc:.3f}" for name, auc in cv["auc"].items()), file=sys.stderr)
+        print("held-out mismatches a tau accepts, per scenario: all / critical / problems with a critical one accepted",
+              file=sys.stderr)
+        print("tau  " + "  ".join(f"{name:>20s}" for name in cv["tau_curve"]), file=sys.stderr)
+        for i, tau in enumerate(c["tau"] for c in next(iter(cv["tau_curve"].values()))):
+            cells = [cv["tau_curve"][name][i] for name in cv["tau_curve"]]
+            print(f"{tau:4.2f}  " + "  ".join(f"{c['accepted']:6.2f} {c['critical_accepted'] or 0:6.2f} {c['problems_hit']:6.2f}"
+                                              for c in cells), file=sys.stderr)
     best = hist.best
     sidecar = export_onnx(head, args.out, meta={
         "drafter": meta.get("drafter"), "target": meta.get("target"),
