@@ -3,7 +3,9 @@
 #   bash tools/wisv_head.sh [stage...]      stages: traces labels train tau eval (default: all)
 # Environment: WISV_TRACES (trace folder, default data/traces/default in the checkout, so that labels
 # paid for in CPU hours can be committed), WISV_PROBLEMS (gsm_symbolic problems, default 200),
-# WISV_THREADS (torch threads, default 2; labelling runs that many 1-thread processes side by side).
+# WISV_THREADS (torch threads, default 2; labelling runs that many 1-thread processes side by side),
+# WISV_ROUND_S (compute time of one round that the CSI relabeling prices a repair against, default 0.1 s:
+# a robot-class drafter and a GPU edge; on this CPU a round takes about 0.8 s and the link hardly matters).
 # Traces and labels use the target in float32 (on CPUs without bfloat16 units it decodes batches
 # twice as fast; labels must use the traces' dtype).
 # Every stage appends to / skips what exists, so an interrupted run continues where it stopped.
@@ -13,10 +15,11 @@ bash "$ROOT/tools/setup.sh"
 # shellcheck disable=SC1091
 source "$ROOT/tools/env.sh"
 cd "$ROOT"
-TRACES="${WISV_TRACES:-$ROOT/data/traces/default}"
+TRACES="${WISV_TRACES:-data/traces/default}"  # relative: the sidecars record the command
 PROBLEMS="${WISV_PROBLEMS:-200}"
 THREADS="${WISV_THREADS:-2}"
-HEADS="$ROOT/config/heads"
+ROUND_S="${WISV_ROUND_S:-0.1}"
+HEADS=config/heads
 stages=("$@")
 ((${#stages[@]})) || stages=(traces labels train tau eval)
 python -m wisv_ros.cli.models prepare smollm2-135m-instruct qwen2.5-coder-1.5b-instruct
@@ -31,9 +34,10 @@ for stage in "${stages[@]}"; do
             done
             for pid in "${pids[@]}"; do wait "$pid"; done
             python -m wisv_ros.cli.traces summary --out "$TRACES" ;;
-    train)  mkdir -p "$HEADS"
-            python -m wisv_ros.cli.train_head --traces "$TRACES" --out "$HEADS/default.onnx"
-            python -m wisv_ros.cli.train_head --traces "$TRACES" --out "$HEADS/default_no_csi.onnx" --no-csi ;;
+    train)  mkdir -p "$HEADS"  # the shipped heads' commands (their sidecars record them)
+            H=(--hidden 64 --dropout 0.5 --lr 3e-4 --weight-decay 1e-2 --round-compute-s "$ROUND_S" --cv)
+            python -m wisv_ros.cli.train_head --traces "$TRACES" --out "$HEADS/default.onnx" "${H[@]}"
+            python -m wisv_ros.cli.train_head --traces "$TRACES" --out "$HEADS/default_no_csi.onnx" "${H[@]}" --no-csi ;;
     tau)    python -m wisv_ros.cli.select_tau --head "$HEADS/default.onnx" --problems 60 --threads "$THREADS" \
               --write config/drafter.yaml --out runs/tau ;;
     eval)   python -m wisv_ros.cli.system_bench --dataset gsm8k --limit 100 --max-new-tokens 320 \

@@ -1,0 +1,58 @@
+"""The decision heads shipped in config/heads/ for the default pair: what their sidecars say, and that
+the command recorded in each sidecar, run on the committed traces, rebuilds the same head."""
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from wisv_ros.cli.train_head import main as train_main
+from wisv_ros.head import OnnxHead, sidecar_path
+from wisv_ros.link import SCENARIOS
+from wisv_ros.models import DEFAULT_DRAFTER, DEFAULT_TARGET
+from wisv_ros.traces import load_traces
+
+ROOT = Path(__file__).resolve().parents[1]
+HEADS = {"default.onnx": True, "default_no_csi.onnx": False}  # file -> trained with CSI relabeling
+TRACES = ROOT / "data" / "traces" / "default"
+
+
+@pytest.fixture(scope="module")
+def labelled():
+    tr = load_traces(TRACES)
+    keep = tr.labels >= 0
+    return tr.h_draft[keep], tr.h_target[keep], tr.labels[keep]
+
+
+@pytest.mark.parametrize("name,csi", HEADS.items())
+def test_sidecar_describes_the_default_pair(name, csi, labelled):
+    head = OnnxHead(ROOT / "config" / "heads" / name)
+    meta = head.meta
+    assert (meta["drafter"], meta["target"]) == (DEFAULT_DRAFTER, DEFAULT_TARGET)
+    assert (head.d_draft, head.d_target) == (576, 1536)  # SmolLM2-135M and Qwen2.5-Coder-1.5B hidden sizes
+    assert meta["csi_relabeling"] is csi
+    assert meta["command"].startswith("python -m wisv_ros.cli.train_head --traces data/traces/default ")
+    # The nested cross-validation ran over every labelled problem of the committed traces.
+    h_d, _, labels = labelled
+    assert meta["cv"]["mismatches"] == len(labels) and meta["cv"]["critical"] == int(labels.sum())
+    assert min(meta["cv"]["auc"].values()) > 0.6
+
+
+@pytest.mark.parametrize("name", HEADS)
+def test_recorded_command_rebuilds_the_shipped_head(name, labelled, tmp_path, monkeypatch):
+    shipped = ROOT / "config" / "heads" / name
+    argv = shlex.split(json.loads(sidecar_path(shipped).read_text())["command"])[3:]
+    argv = [a for a in argv if a != "--cv"]  # the cross-validation only adds metrics (one training per problem)
+    out = tmp_path / name
+    argv[argv.index("--out") + 1] = str(out)
+    monkeypatch.chdir(ROOT)  # the command names the trace folder relative to the checkout
+    assert train_main(argv) == 0
+    h_d, h_t, _ = labelled
+    rebuilt, original = OnnxHead(out), OnnxHead(shipped)
+    assert json.loads(sidecar_path(out).read_text())["best_epoch"] == original.meta["best_epoch"]
+    for ch in SCENARIOS.values():
+        np.testing.assert_allclose(rebuilt.reject_prob(h_d, h_t, ch.features()),
+                                   original.reject_prob(h_d, h_t, ch.features()), atol=1e-3)
