@@ -259,6 +259,17 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
+def write_csv(rows: list[dict], folder: Path) -> list[dict]:
+    """Write rows.csv and summary.csv (means per configuration) into ``folder``; returns the summary."""
+    summary = summarize(rows)
+    for name, table in (("rows.csv", rows), ("summary.csv", summary)):
+        with open(folder / name, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(table[0]))
+            w.writeheader()
+            w.writerows(table)
+    return summary
+
+
 def format_table(summary: list[dict]) -> str:
     cols = KEYS + ["prompts"] + SUMMARY
     lines = ["  ".join(f"{h:>12s}" for h in cols)]
@@ -412,18 +423,11 @@ def main(argv=None) -> int:
             new = run_scenario(scenario, head, configs, prompts, args, args.out)
             rows += new
             print(format_table(summarize(new)), flush=True)
+            write_csv(rows, args.out)  # after every graph: a long run that stops keeps what it measured
     if baselines:
         rows += [r for r in run_baselines(prompts, scenarios, args) if r["config"] in baselines]
-    summary = summarize(rows)
+    summary = write_csv(rows, args.out)
     print(format_table(summary))
-    with open(args.out / "rows.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    with open(args.out / "summary.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(summary[0]))
-        w.writeheader()
-        w.writerows(summary)
     pngs = plot(summary, args.out)
     print(f"wrote {args.out}/rows.csv, summary.csv, " + ", ".join(p.name for p in pngs))
     return 0
