@@ -98,6 +98,24 @@ def test_cli_runs_all_systems_side_by_side_and_resumes(tmp_path, monkeypatch, ca
         _run(tmp_path, monkeypatch, _tiny_probe(tmp_path, 0.4), out, "--kappa", "4")
 
 
+def test_ngram_baseline_matches_its_own_suffix_length(tmp_path, monkeypatch):
+    """greedy+ngram copies after a --ngram-kappa match (prompt-lookup style), greedy+probe after --kappa."""
+    out = tmp_path / "eval"
+    assert _run(tmp_path, monkeypatch, _tiny_probe(tmp_path, 0.4), out, "--ngram-kappa", "1", "--limit", "1") == 0
+    short = _summary(out)
+    out2 = tmp_path / "eval2"
+    assert _run(tmp_path, monkeypatch, _tiny_probe(tmp_path, 0.4), out2, "--ngram-kappa", "3", "--limit", "1") == 0
+    same = _summary(out2)
+    assert json.loads((out / "config.json").read_text())["ngram_kappa"] == 1
+    # The probe system matches --kappa (3 in both runs): the n-gram length leaves it as it was ...
+    for col in ("rounds", "copy_rounds", "gate_calls"):
+        assert short["greedy+probe"][col] == same["greedy+probe"][col], col
+    # ... while the baseline with 1-token matches copies in rounds where no 3-token suffix had occurred before.
+    assert int(short["greedy+ngram"]["copy_rounds"]) > int(same["greedy+ngram"]["copy_rounds"]) > 0
+    with pytest.raises(SystemExit):  # a folder made with another n-gram length is refused
+        _run(tmp_path, monkeypatch, _tiny_probe(tmp_path, 0.4), out, "--ngram-kappa", "2", "--limit", "1")
+
+
 def test_cli_resume_drops_half_finished_prompt(tmp_path, monkeypatch):
     out = tmp_path / "eval"
     probe = _tiny_probe(tmp_path, 0.6)

@@ -8,8 +8,10 @@ machine's noise hits all of them alike:
 
     target_only   the target alone, one token per forward pass
     greedy        greedy speculative decoding, the drafter drafts every round (no copy mode)
-    greedy+ngram  + copy mode whenever the last --kappa tokens occurred earlier (probe-less baseline)
-    greedy+probe  + copy mode only when the copy probe fires too (SwitchSD)
+    greedy+ngram  + copy mode whenever the last --ngram-kappa tokens occurred earlier (the probe-less
+                  baseline, prompt-lookup style: 3 tokens by default, as prompt lookup decoding matches)
+    greedy+probe  + copy mode only when the last --kappa tokens (5) occurred earlier and the copy
+                  probe fires too (SwitchSD)
 
 Copy rounds are verified greedily, so every system's output should equal target-only greedy output
 (``identical``; bfloat16 can flip near-ties when the shape of a pass changes).
@@ -64,7 +66,7 @@ COLUMNS = ["dataset", "system", "prompts", "tokens", "rounds", "aal", "tokens_pe
            "copy_rounds", "copy_rate", "copy_aal", "copy_empty", "gate_calls", "gate_fired", "identical", "wall_s"]
 # Settings that change the measured numbers: a resumed run must use the same.
 _CONFIG_KEYS = ("target", "drafter", "target_dtype", "drafter_dtype", "k", "min_confidence", "max_new_tokens", "humaneval_style",
-                "kappa", "copy_width", "copy_depth", "probe_sha256")
+                "kappa", "ngram_kappa", "copy_width", "copy_depth", "probe_sha256")
 
 
 class CountingGate:
@@ -83,8 +85,11 @@ class CountingGate:
 
 
 def run_system(system: str, target: CausalLM, drafter: CausalLM, prompt: Any, chat: bool, max_new_tokens: int, *,
-               k: int, min_confidence: float, kappa: int, width: int, depth: int, probe=None) -> tuple[Generation, CountingGate | None]:
-    """One request with one of SYSTEMS; returns the generation and the probe's gate counter (greedy+probe)."""
+               k: int, min_confidence: float, kappa: int, width: int, depth: int, probe=None,
+               ngram_kappa: int | None = None) -> tuple[Generation, CountingGate | None]:
+    """One request with one of SYSTEMS; returns the generation and the probe's gate counter (greedy+probe).
+
+    ``kappa`` is the suffix length greedy+probe matches, ``ngram_kappa`` greedy+ngram's (None = kappa)."""
     if system == "target_only":
         return generate_target_only(target, prompt, max_new_tokens, chat=chat), None
     if system not in SYSTEMS:
@@ -93,6 +98,8 @@ def run_system(system: str, target: CausalLM, drafter: CausalLM, prompt: Any, ch
         raise ValueError("system greedy+probe needs a probe")
     gate = CountingGate(probe.fires) if system == "greedy+probe" else None
     mode = {"greedy+ngram": "ngram", "greedy+probe": "probe"}.get(system, "off")
+    if mode == "ngram" and ngram_kappa is not None:
+        kappa = ngram_kappa
     copy = CopyConfig.for_mode(mode, probe, kappa=kappa, width=width, depth=depth, gate=gate)
     d = Drafter(drafter, target_tokenizer=target.tokenizer, min_confidence=min_confidence)
     v = Verifier(target, Method.GREEDY, copy=copy)
@@ -235,14 +242,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k", type=int, default=8, help="draft tokens per round, K (default %(default)s)")
     p.add_argument("--min-confidence", type=float, default=0.6,
                    help="drafter ends a block after a token it is less sure of than this (default %(default)s)")
-    p.add_argument("--kappa", type=int, default=5, help="copy mode: suffix tokens to match (default %(default)s)")
+    p.add_argument("--kappa", type=int, default=5, help="greedy+probe: suffix tokens to match (default %(default)s)")
+    p.add_argument("--ngram-kappa", type=int, default=3,
+                   help="greedy+ngram: suffix tokens to match (default %(default)s, prompt lookup decoding's n-gram)")
     p.add_argument("--copy-width", type=int, default=4, help="copy mode: candidates per round, W (default %(default)s)")
     p.add_argument("--copy-depth", type=int, default=16, help="copy mode: tokens per candidate, D (default %(default)s)")
     p.add_argument("--target-dtype", default="bfloat16", help="target weights dtype (default %(default)s)")
     p.add_argument("--drafter-dtype", default="float32", help="drafter weights dtype (default %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     args = p.parse_args(argv)
-    for name in ("k", "kappa", "copy_width", "copy_depth", "max_new_tokens"):
+    for name in ("k", "kappa", "ngram_kappa", "copy_width", "copy_depth", "max_new_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
     if args.limit is not None and args.limit < 1:
@@ -297,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                 for system in SYSTEMS:
                     bar.set_postfix_str(f"{ds} {pid} {system}")
                     gen, gate = run_system(system, target, drafter, prompt, chat, args.max_new_tokens, k=args.k,
-                                           min_confidence=args.min_confidence, kappa=args.kappa,
+                                           min_confidence=args.min_confidence, kappa=args.kappa, ngram_kappa=args.ngram_kappa,
                                            width=args.copy_width, depth=args.copy_depth, probe=probe)
                     if system == "target_only":
                         ref = gen.token_ids
@@ -319,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         w.writeheader()
         w.writerows(rows)
     png = plot(rows, out / "summary.png", title=f"SwitchSD copy mode: {Path(args.probe).name}, K={args.k}, "
-               f"kappa={args.kappa}, W={args.copy_width}, D={args.copy_depth}, {args.max_new_tokens} new tokens")
+               f"kappa={args.kappa} (n-gram {args.ngram_kappa}), W={args.copy_width}, D={args.copy_depth}, {args.max_new_tokens} new tokens")
     (out / "command.txt").write_text("python -m wisv_ros.cli.copy_eval " + shlex.join(argv) + "\n")
     print(f"wrote {out / 'summary.csv'}, {png}", file=sys.stderr)
     return 0
