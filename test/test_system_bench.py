@@ -57,3 +57,23 @@ def test_system_bench_runs_the_graph_and_accounts_the_link(tmp_path):
     assert f[("20mbps_5ms", "greedy")]["ms_per_token"] > f[("direct", "greedy")]["ms_per_token"]
     assert (out / "rows.csv").is_file() and (out / "latency_per_token.png").stat().st_size > 1000
     assert (out / "accuracy_latency_vs_tau.png").stat().st_size > 1000
+
+
+def test_baselines_run_only_what_is_asked(monkeypatch):
+    """--baselines target_stream measures the target alone and never runs co-located SD."""
+    from types import SimpleNamespace
+
+    from wisv_ros.cli import system_bench
+    from wisv_ros import decoding
+
+    def no_sd(*a, **k):
+        raise AssertionError("co-located SD ran although only target_stream was asked for")
+
+    monkeypatch.setattr(decoding, "generate", no_sd)
+    args = SimpleNamespace(threads=1, target="tiny-random:0:64", drafter="tiny-random:0:64:0.05", target_dtype="float32",
+                           k=[4], max_new_tokens=12, min_confidence=0.0)
+    rows = system_bench.run_baselines([("5 9 12 3", None)], ["direct", "20mbps_50ms"], args, ("target_stream",))
+    assert [(r["scenario"], r["config"]) for r in rows] == [("direct", "target_stream"), ("20mbps_50ms", "target_stream")]
+    assert all(r["tokens"] == 12 and r["rounds"] == 12 for r in rows)
+    # Same compute, the scenario's RTT added once (prompt up, last token down).
+    assert rows[1]["latency_s"] - rows[0]["latency_s"] > 0.05 - 1e-3
