@@ -6,7 +6,7 @@
 # WISV_THREADS (torch threads, default 2; labelling runs that many 1-thread processes side by side),
 # WISV_ROUND_S (compute time of one round that the CSI relabeling prices a repair against, default 0.1 s:
 # a robot-class drafter and a GPU edge; on this CPU a round takes about 0.8 s and the link hardly matters).
-# Traces and labels use the target in float32 (on CPUs without bfloat16 units it decodes batches
+# Every stage uses the target in float32 (on CPUs without bfloat16 units it decodes batches
 # twice as fast; labels must use the traces' dtype).
 # Every stage appends to / skips what exists, so an interrupted run continues where it stopped.
 set -euo pipefail
@@ -38,9 +38,9 @@ for stage in "${stages[@]}"; do
             H=(--hidden 64 --dropout 0.5 --lr 3e-4 --weight-decay 1e-2 --round-compute-s "$ROUND_S" --cv)
             python -m wisv_ros.cli.train_head --traces "$TRACES" --out "$HEADS/default.onnx" "${H[@]}"
             python -m wisv_ros.cli.train_head --traces "$TRACES" --out "$HEADS/default_no_csi.onnx" "${H[@]}" --no-csi ;;
-    tau)    python -m wisv_ros.cli.select_tau --head "$HEADS/default.onnx" --problems 60 --threads "$THREADS" \
+    tau)    python -m wisv_ros.cli.select_tau --head "$HEADS/default.onnx" --problems 60 --threads "$THREADS" --target-dtype float32 \
               --write config/drafter.yaml --out runs/tau ;;
-    eval)   python -m wisv_ros.cli.system_bench --dataset gsm8k --limit 100 --max-new-tokens 320 \
+    eval)   python -m wisv_ros.cli.system_bench --dataset gsm8k --limit 100 --max-new-tokens 320 --target-dtype float32 \
               --scenarios 20mbps_5ms,20mbps_50ms,500mbps_5ms,500mbps_50ms --configs greedy,fh,sh,adaptive \
               --k 8,16,32 --tau 0.3,0.5,0.7 --head "csi=$HEADS/default.onnx" \
               --head "no_csi=$HEADS/default_no_csi.onnx" --out runs/wisv_eval ;;

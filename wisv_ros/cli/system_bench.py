@@ -328,10 +328,20 @@ def plot(summary: list[dict], folder: Path) -> list[Path]:
     if len({s["tau"] for s in wisv}) > 1:
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
         for key in dict.fromkeys((s["scenario"], s["head"], s["config"], s["k"]) for s in wisv):
-            pts = sorted((s["tau"], s) for s in wisv if (s["scenario"], s["head"], s["config"], s["k"]) == key)
+            pts = [(s["tau"], s) for s in wisv if (s["scenario"], s["head"], s["config"], s["k"]) == key]
+            # tau = 0 is greedy SD: its row (same scenario and K) starts the curve.
+            pts += [(0.0, s) for s in summary if s["config"] == "greedy" and (s["scenario"], s["k"]) == (key[0], key[3])][:1]
+            pts.sort(key=lambda p: p[0])
             name = f"{key[0]} {key[2]}[{key[1]}] K={key[3]}"
             a1.plot([t for t, _ in pts], [100 * s["accuracy"] for _, s in pts], "o-", label=name)
             a2.plot([t for t, _ in pts], [s["ms_per_token"] for _, s in pts], "o-", label=name)
+        for s in summary:  # the target alone, for reference
+            if s["config"] == "target_stream" and s["scenario"] in {w["scenario"] for w in wisv}:
+                a1.axhline(100 * s["accuracy"], ls="--", lw=1, color="gray", label=f"{s['scenario']} target alone")
+                a2.axhline(s["ms_per_token"], ls="--", lw=1, color="gray", label=f"{s['scenario']} target alone")
+        a1.set_title("accuracy against tau (tau 0 = greedy SD)")
+        a2.set_title("latency per token against tau")
+        a1.legend(fontsize=7)
         a1.set_xlabel("tau")
         a1.set_ylabel("accuracy (%)")
         a2.set_xlabel("tau")
