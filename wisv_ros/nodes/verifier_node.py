@@ -146,7 +146,8 @@ class VerifierNode(Node):
         self._h_reply = None
         self._round_extra = {"up": 0, "down": 0, "wait_s": 0.0}
         threading.Thread(target=self._load, name="load_model", daemon=True).start()
-        threading.Thread(target=self._verify_loop, name="verify", daemon=True).start()
+        self._verify_thread = threading.Thread(target=self._verify_loop, name="verify", daemon=True)
+        self._verify_thread.start()
 
     def _param(self, name):
         return self.get_parameter(name).value
@@ -239,10 +240,23 @@ class VerifierNode(Node):
     def _queue_block(self, msg) -> None:
         self._blocks.put((msg, time.perf_counter()))
 
+    def destroy_node(self) -> None:
+        """Stop the verification thread (after the block it is on) before the node goes.
+
+        A thread that has run target passes and is still alive when the interpreter exits makes the
+        process abort ("terminate called without an active exception"), seen after a demo goal.
+        """
+        self._blocks.put(None)
+        self._verify_thread.join(timeout=30.0)
+        super().destroy_node()
+
     def _verify_loop(self) -> None:
-        """The verification thread: blocks in arrival order; an exception never ends it."""
+        """The verification thread: blocks in arrival order; an exception never ends it; None stops it."""
         while True:
-            msg, t_recv = self._blocks.get()
+            item = self._blocks.get()
+            if item is None:
+                return
+            msg, t_recv = item
             try:
                 self._on_block(msg, t_recv)
             except Exception as exc:  # noqa: BLE001 - e.g. publishing while the node shuts down
