@@ -29,6 +29,7 @@ DEFAULT_PROMPT = ("Write a Python function clamp_velocity(vx, vy, v_max) that sc
                   "velocity so that its norm is at most v_max, keeping the direction.")
 COLUMNS = ["tokens", "rounds", "aal", "latency_s", "tokens_per_s", "uplink_bytes", "downlink_bytes"]
 OPTIONAL_FIELDS = ("draft_time_s", "round_trip_s", "edge_time_s")
+CHANNEL_WAIT_S = 3.0  # how long to wait after the answer for a channel_state not yet received
 NOT_LOADED = "not loaded yet"  # verifier_node's verdict error while its model loads
 
 
@@ -194,6 +195,11 @@ def main(argv: list[str] | None = None) -> int:
             except TimeoutError:
                 pass
             raise
+        # A short answer can finish before discovery delivers the monitor's latched channel_state;
+        # give it a moment so that the report says which channel the answer ran on.
+        deadline = time.monotonic() + CHANNEL_WAIT_S
+        while not channel and time.monotonic() < deadline:
+            time.sleep(0.05)
     except KeyboardInterrupt:
         print("[ask] interrupted", file=sys.stderr)
         return 130
