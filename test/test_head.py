@@ -68,20 +68,47 @@ def test_training_learns_a_channel_dependent_rule():
         logits = head(torch.from_numpy(Xv))
     val_loss = float(torch.nn.functional.binary_cross_entropy_with_logits(logits, torch.from_numpy(yv)))
     assert val_loss == pytest.approx(hist.best.val_loss, rel=1e-5)
-    assert hist.best.val_loss == min(e.val_loss for e in hist.epochs)
+    assert hist.best.val_loss == min(e.val_loss for e in hist.epochs + hist.channel_epochs)
     assert not head.training
 
 
-def test_training_is_deterministic_and_normalises_hidden_parts_only():
+def test_channel_stage_moves_only_the_channel_weights():
+    X, y = channel_task(1000, 7)
+    Xv, yv = channel_task(300, 8)
+    joint, jh = train_head(X, y, Xv, yv, d_draft=D_D, epochs=3, channel_epochs=0, **FAST)
+    both, bh = train_head(X, y, Xv, yv, d_draft=D_D, epochs=3, channel_epochs=10, **FAST)
+    assert jh.channel_epochs == [] and jh.channel_best_epoch == 0 and len(bh.channel_epochs) == 10
+    assert bh.best_epoch == jh.best_epoch
+    a, b = joint.state_dict(), both.state_dict()
+    for name in a:
+        if name == "mlp.0.weight":
+            assert torch.equal(a[name][:, :D_D + D_T], b[name][:, :D_D + D_T])
+        else:
+            assert torch.equal(a[name], b[name]), name
+    # The RTT rule is far from learnt after 3 joint epochs: the channel stage improves on it.
+    assert bh.channel_best_epoch > 0 and bh.best.val_loss < jh.best.val_loss
+    assert not torch.equal(a["mlp.0.weight"][:, -N_C:], b["mlp.0.weight"][:, -N_C:])
+    # Requires-grad flags are restored for further training.
+    assert all(p.requires_grad for p in both.parameters())
+    with pytest.raises(ValueError, match="channel_epochs"):
+        train_head(X, y, Xv, yv, d_draft=D_D, epochs=1, channel_epochs=-1, **FAST)
+
+
+def test_training_is_deterministic_and_normalises_every_column():
     X, y = channel_task(400, 3)
     Xv, yv = channel_task(100, 4)
     a, _ = train_head(X, y, Xv, yv, d_draft=D_D, epochs=2, **FAST)
     b, _ = train_head(X, y, Xv, yv, d_draft=D_D, epochs=2, **FAST)
     for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.equal(pa, pb), name
-    np.testing.assert_allclose(a.feature_mean[:D_D + D_T].numpy(), X[:, :D_D + D_T].mean(0), atol=1e-5)
-    np.testing.assert_allclose(a.feature_std[:D_D + D_T].numpy(), X[:, :D_D + D_T].std(0), rtol=1e-5)
-    assert a.feature_mean[-N_C:].tolist() == [0.0] * N_C and a.feature_std[-N_C:].tolist() == [1.0] * N_C
+    np.testing.assert_allclose(a.feature_mean.numpy(), X.mean(0), atol=1e-5)
+    np.testing.assert_allclose(a.feature_std.numpy(), X.std(0), rtol=1e-4)
+    # A column without spread (one channel only) is centred, not divided by ~0.
+    X1 = X.copy()
+    X1[:, -N_C:] = SCENARIOS["20mbps_50ms"].features()
+    c, _ = train_head(X1, y, Xv, yv, d_draft=D_D, epochs=1, channel_epochs=0, **FAST)
+    assert c.feature_std[-N_C:].tolist() == [1.0] * N_C
+    np.testing.assert_allclose(c.feature_mean[-N_C:].numpy(), SCENARIOS["20mbps_50ms"].features(), atol=1e-6)
     assert a.d_draft == D_D and a.d_target == D_T
 
 

@@ -9,11 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from wisv_ros.cli.train_head import main as train_main
+from wisv_ros.cli.train_head import episodes_from_traces, main as train_main
 from wisv_ros.head import OnnxHead, sidecar_path
 from wisv_ros.link import SCENARIOS
 from wisv_ros.models import DEFAULT_DRAFTER, DEFAULT_TARGET
-from wisv_ros.traces import load_traces
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADS = {"default.onnx": True, "default_no_csi.onnx": False}  # file -> trained with CSI relabeling
@@ -22,9 +21,10 @@ TRACES = ROOT / "data" / "traces" / "default"
 
 @pytest.fixture(scope="module")
 def labelled():
-    tr = load_traces(TRACES)
-    keep = tr.labels >= 0
-    return tr.h_draft[keep], tr.h_target[keep], tr.labels[keep]
+    """The mismatches the heads train on: every labelled problem whose labelling is complete."""
+    episodes, _, _ = episodes_from_traces([TRACES])
+    return (np.concatenate([e.h_draft for e in episodes]), np.concatenate([e.h_target for e in episodes]),
+            np.concatenate([e.labels for e in episodes]))
 
 
 @pytest.mark.parametrize("name,csi", HEADS.items())
@@ -56,3 +56,23 @@ def test_recorded_command_rebuilds_the_shipped_head(name, labelled, tmp_path, mo
     for ch in SCENARIOS.values():
         np.testing.assert_allclose(rebuilt.reject_prob(h_d, h_t, ch.features()),
                                    original.reject_prob(h_d, h_t, ch.features()), atol=1e-3)
+    assert json.loads(sidecar_path(out).read_text())["channel_best_epoch"] == original.meta["channel_best_epoch"]
+
+
+def test_shipped_head_is_more_permissive_on_the_worse_channel(labelled):
+    """Same hiddens (every labelled mismatch of the traces), worse channel => lower rejection probability.
+
+    The relabeled targets set the size of the effect: at a 0.1 s round, 20 Mbit/s / 50 ms keeps about
+    two thirds of the critical labels that 500 Mbit/s / 5 ms keeps. The no-CSI ablation, trained on
+    labels that ignore the channel, must react far less.
+    """
+    h_d, h_t, _ = labelled
+
+    def mean_reject(name: str, scenario: str) -> float:
+        head = OnnxHead(ROOT / "config" / "heads" / name)
+        return float(head.reject_prob(h_d, h_t, SCENARIOS[scenario].features()).mean())
+
+    gap = mean_reject("default.onnx", "500mbps_5ms") - mean_reject("default.onnx", "20mbps_50ms")
+    gap_no_csi = mean_reject("default_no_csi.onnx", "500mbps_5ms") - mean_reject("default_no_csi.onnx", "20mbps_50ms")
+    assert gap > 0.02, gap
+    assert abs(gap_no_csi) < gap / 2, (gap, gap_no_csi)

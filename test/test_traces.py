@@ -156,7 +156,7 @@ def test_shared_prefix_only_within_a_sliding_window(pair):
     assert not _shared_prefix_ok(target, 100_000)
 
 
-def test_train_head_cli_on_synthetic_traces(tmp_path):
+def test_train_head_cli_on_synthetic_traces(tmp_path, capsys):
     """traces folder -> relabel -> train -> ONNX with sidecar, loadable by the verifier's runtime."""
     from wisv_ros.cli.train_head import main as train_main
     from wisv_ros.head import OnnxHead, sidecar_path
@@ -173,12 +173,16 @@ def test_train_head_cli_on_synthetic_traces(tmp_path):
         ht = [rng.normal(size=d_t).astype(np.float32) for _ in range(n)]
         w.add_problem(f"p{p}", "1", [0], list(range(40)), n, recs, hd, ht)
         labels += [(f"p{p}:{r}", int(hd[r][0] > 0)) for r in range(n)]
+    # Problem p12 is still being labelled (one label missing): training leaves it out.
+    w.add_problem("p12", "1", [0], list(range(40)), 3, recs[:3], hd[:3], ht[:3])
+    partial = [("p12:0", 1), ("p12:1", 0)]
     with (tmp_path / "tr" / "labels.jsonl").open("w") as f:
-        for uid, lab in labels:
+        for uid, lab in labels + partial:
             f.write(json.dumps({"uid": uid, "label": lab, "answer": None, "new_tokens": 0}) + "\n")
     out = tmp_path / "head.onnx"
     assert train_main(["--traces", str(tmp_path / "tr"), "--out", str(out), "--epochs", "20", "--lr", "0.01", "--channels", "4",
                        "--cv"]) == 0
+    assert "1 problem(s) only partly labelled, left out" in capsys.readouterr().err
     meta = json.loads(sidecar_path(out).read_text())
     assert meta["csi_relabeling"] is True and "--epochs 20" in meta["command"]
     # Cross-validation held out every problem once and scored all 144 mismatches against their base labels;

@@ -53,7 +53,7 @@ ONNX_INPUT = "features"
 ONNX_OUTPUT = "reject_prob"
 ONNX_OPSET = 17
 SIDECAR_FORMAT = "wisv_decision_head/1"
-_STD_FLOOR = 1e-6  # a hidden feature with a smaller training std is only centred
+_STD_FLOOR = 1e-6  # a feature with a smaller training std (e.g. one channel only) is only centred
 
 
 # --------------------------------------------------------------------------- the module
@@ -91,17 +91,18 @@ class DecisionHead(nn.Module):
         )
 
     def fit_normalization(self, X: np.ndarray | torch.Tensor) -> None:
-        """Set the per-feature mean/std of the hidden columns from training rows X [n, d_in]."""
+        """Set the per-feature mean/std of every column (hidden and channel) from training rows X [n, d_in].
+
+        The channel columns are standardised like the hidden ones: ``ChannelState.features()`` puts
+        them on a fixed scale of about 0-1, but across the training channels their spread is a
+        fraction of that, and unstandardised they learn far slower than the hidden columns.
+        """
         x = torch.as_tensor(np.asarray(X, dtype=np.float32))
         self._check_width(x)
-        d_hid = self.d_draft + self.d_target
-        mean = torch.zeros(self.d_in)
-        std = torch.ones(self.d_in)
-        mean[:d_hid] = x[:, :d_hid].double().mean(0).float()
-        s = x[:, :d_hid].double().std(0, unbiased=False).float()
-        std[:d_hid] = torch.where(s > _STD_FLOOR, s, torch.ones_like(s))
+        mean = x.double().mean(0).float()
+        s = x.double().std(0, unbiased=False).float()
         self.feature_mean.copy_(mean)
-        self.feature_std.copy_(std)
+        self.feature_std.copy_(torch.where(s > _STD_FLOOR, s, torch.ones_like(s)))
 
     def _check_width(self, x: torch.Tensor) -> None:
         if x.ndim != 2 or x.shape[1] != self.d_in:
@@ -158,13 +159,23 @@ class EpochStats:
 
 @dataclass
 class TrainHistory:
-    """Per-epoch metrics and the epoch (1-based) whose weights the returned head holds."""
+    """Per-epoch metrics and the epochs (1-based) whose weights the returned head holds.
+
+    ``epochs``/``best_epoch``: the joint stage (all weights). ``channel_epochs``/``channel_best_epoch``:
+    the channel stage (see :func:`train_head`); ``channel_best_epoch`` is 0 when no channel epoch
+    lowered the validation loss (or the stage was off), i.e. the head is the joint stage's best.
+    """
 
     epochs: list[EpochStats] = field(default_factory=list)
     best_epoch: int = 0
+    channel_epochs: list[EpochStats] = field(default_factory=list)
+    channel_best_epoch: int = 0
 
     @property
     def best(self) -> EpochStats:
+        """Metrics of the returned head."""
+        if self.channel_best_epoch:
+            return self.channel_epochs[self.channel_best_epoch - 1]
         return self.epochs[self.best_epoch - 1]
 
 
@@ -193,10 +204,26 @@ def train_head(
     lr: float = 1e-3,
     weight_decay: float = 1e-4,
     batch_size: int = 256,
+    channel_epochs: int = 30,
+    channel_lr: float = 1e-3,
     seed: int = 0,
     progress: bool = True,
 ) -> tuple[DecisionHead, TrainHistory]:
     """Train a :class:`DecisionHead` with BCE (soft labels allowed) and AdamW; keep the best epoch.
+
+    Two stages, each keeping the epoch with the lowest validation loss:
+
+    1. *joint*: all weights, ``epochs`` epochs of AdamW (``lr``, ``weight_decay``);
+    2. *channel*: from the joint stage's best weights, only the channel columns of the first layer
+       move, ``channel_epochs`` epochs of Adam at ``channel_lr`` without weight decay; every other
+       weight and both biases stay frozen. ``channel_epochs=0`` skips it.
+
+    Why the channel stage: with a few hundred labelled mismatches of ~2,000 hidden features, the
+    joint stage memorises the training answers within 1-2 epochs, long before the three channel
+    weights have moved, and the head comes out blind to the channel. With the hidden weights
+    frozen, the only thing left to learn is how the relabeled target shifts with the channel.
+    The biases stay frozen because the answers differ in their share of critical mismatches:
+    refitting the biases to the training answers' share moves every validation score with it.
 
     Args:
         X, y: training rows [n, d_D + d_T + 3] (``[h_D ; h_T ; c]``) and labels in [0, 1] [n]
@@ -217,6 +244,8 @@ def train_head(
         raise ValueError(f"X has {x_np.shape[1]} columns: too few for d_D={d_draft} + d_T + {N_CHANNEL}")
     if epochs < 1 or batch_size < 1:
         raise ValueError(f"epochs and batch_size must be >= 1, got {epochs} and {batch_size}")
+    if channel_epochs < 0 or not channel_lr > 0:
+        raise ValueError(f"channel_epochs must be >= 0 and channel_lr > 0, got {channel_epochs} and {channel_lr}")
     d_in = x_np.shape[1]
     x, t = _as_xy("train", X, y, d_in)
     xv, tv = _as_xy("validation", X_val, y_val, d_in)
@@ -232,36 +261,56 @@ def train_head(
         shuffle = torch.Generator().manual_seed(seed)
         best_loss = math.inf
         best_state: dict[str, torch.Tensor] = {}
-        bar = tqdm(range(1, epochs + 1), desc="decision head", unit="epoch", disable=not progress)
-        for epoch in bar:
+        hard = tv.numpy() >= 0.5
+
+        def run_epoch(epoch: int, grad_mask: torch.Tensor | None) -> EpochStats:
             head.train()
             total, n_seen = 0.0, 0
             for idx in torch.randperm(x.shape[0], generator=shuffle).split(batch_size):
                 opt.zero_grad()
                 loss = loss_fn(head(x[idx]), t[idx])
                 loss.backward()
+                if grad_mask is not None:
+                    first.weight.grad.mul_(grad_mask)
                 opt.step()
                 total += loss.item() * idx.numel()
                 n_seen += idx.numel()
             head.eval()
             with torch.no_grad():
                 logits = head(xv)
-                val_loss = float(loss_fn(logits, tv))
             prob = torch.sigmoid(logits).numpy()
-            hard = tv.numpy() >= 0.5
-            stats = EpochStats(
-                epoch=epoch,
-                train_loss=total / n_seen,
-                val_loss=val_loss,
-                val_accuracy=float(np.mean((prob >= 0.5) == hard)),
-                val_auc=roc_auc(prob, hard),
-            )
-            history.epochs.append(stats)
-            if val_loss < best_loss:
-                best_loss = val_loss
-                history.best_epoch = epoch
-                best_state = copy.deepcopy(head.state_dict())
-            bar.set_postfix(val_loss=f"{val_loss:.4f}", acc=f"{stats.val_accuracy:.3f}", auc=f"{stats.val_auc:.3f}")
+            return EpochStats(epoch=epoch, train_loss=total / n_seen, val_loss=float(loss_fn(logits, tv)),
+                              val_accuracy=float(np.mean((prob >= 0.5) == hard)), val_auc=roc_auc(prob, hard))
+
+        def run_stage(stage: str, n_epochs: int, grad_mask: torch.Tensor | None, log: list[EpochStats]) -> int:
+            """Train n_epochs; returns the epoch (1-based) that lowered the best validation loss last, or 0."""
+            nonlocal best_loss, best_state
+            best = 0
+            for epoch in range(1, n_epochs + 1):
+                stats = run_epoch(epoch, grad_mask)
+                log.append(stats)
+                if stats.val_loss < best_loss:
+                    best_loss, best = stats.val_loss, epoch
+                    best_state = copy.deepcopy(head.state_dict())
+                bar.update()
+                bar.set_postfix(stage=stage, val_loss=f"{stats.val_loss:.4f}", acc=f"{stats.val_accuracy:.3f}",
+                                auc=f"{stats.val_auc:.3f}")
+            return best
+
+        first = head.mlp[0]
+        bar = tqdm(total=epochs + channel_epochs, desc="decision head", unit="epoch", disable=not progress)
+        history.best_epoch = run_stage("joint", epochs, None, history.epochs)
+        if channel_epochs:
+            head.load_state_dict(best_state)
+            for p in head.parameters():
+                p.requires_grad_(False)
+            first.weight.requires_grad_(True)
+            grad_mask = torch.zeros_like(first.weight)
+            grad_mask[:, head.d_draft + head.d_target:] = 1.0
+            opt = torch.optim.Adam([first.weight], lr=channel_lr)
+            history.channel_best_epoch = run_stage("channel", channel_epochs, grad_mask, history.channel_epochs)
+            for p in head.parameters():
+                p.requires_grad_(True)
         bar.close()
     head.load_state_dict(best_state)
     head.eval()

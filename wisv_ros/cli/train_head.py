@@ -6,8 +6,10 @@ Episodes are the problems of the trace folder(s); problems are split into traini
 sets (``--val-share``) so that no problem contributes to both. Each episode is relabeled for
 ``--channels`` channel states drawn from the channel distribution (the four named scenarios, the
 states of ``--trace-file`` files, and random states), with the soft policy of Eq. 31. ``--no-csi``
-trains the ablation head on the base labels b_t instead. The ONNX file gets a JSON sidecar with
-the models, the sizes and this command line.
+trains the ablation head on the base labels b_t instead. Training has two stages (see
+``head.train_head``): all weights first, then only the first layer's channel columns
+(``--channel-epochs``), each stage keeping the epoch with the lowest validation loss. The ONNX file
+gets a JSON sidecar with the models, the sizes and this command line.
 
 The validation AUC printed per epoch is measured on the problems that also choose the epoch, so
 with few labelled problems it flatters the head. ``--cv`` adds an estimate that does not: nested
@@ -35,16 +37,29 @@ from ..traces import load_traces
 
 
 def episodes_from_traces(folders: list[Path]) -> tuple[list[Episode], list[str], dict]:
-    """One Episode per problem with at least one labelled mismatch; returns (episodes, ids, meta)."""
+    """One Episode per problem whose mismatches are all labelled; returns (episodes, ids, meta).
+
+    A problem that labelling has not finished is left out (with a note on stderr): the relabeling
+    weighs each critical mismatch by its critical neighbours (Eq. 28), so a partial answer would
+    get labels that differ from the ones its complete answer gets.
+    """
     episodes, ids, meta = [], [], {}
     for folder in folders:
         tr = load_traces(folder)
         meta = meta or tr.meta
         by_problem: dict[str, list[int]] = {}
+        unfinished: set[str] = set()
         for i, r in enumerate(tr.records):
             if tr.labels[i] >= 0:
                 by_problem.setdefault(r["problem_id"], []).append(i)
+            elif tr.problems[r["problem_id"]]["answer"] is not None:
+                unfinished.add(r["problem_id"])
+        if unfinished & set(by_problem):
+            print(f"{folder}: {len(unfinished & set(by_problem))} problem(s) only partly labelled, left out "
+                  f"(python -m wisv_ros.cli.traces label --out {folder} finishes them)", file=sys.stderr)
         for pid, rows in sorted(by_problem.items()):
+            if pid in unfinished:
+                continue
             rows.sort(key=lambda i: tr.records[i]["position"])
             episodes.append(Episode(
                 positions=np.array([tr.records[i]["position"] for i in rows]),
@@ -68,7 +83,8 @@ def cross_validate(episodes: list[Episode], make, train_kwargs: dict, order: np.
     "tau_curve": {scenario: [{"tau", "accepted", "critical_accepted", "problems_hit"}]}}: for each tau of
     ``CV_TAUS`` the share of held-out mismatches a tau accepts (head probability < tau), of critical ones, and of
     problems where it accepts at least one critical mismatch (an answer that changes, if that
-    mismatch came up as it did in the trace).
+    mismatch came up as it did in the trace). ``"mean_reject_prob"``: {scenario: mean held-out
+    rejection probability}, how the head responds to the channel on answers it has not seen.
     """
     if len(episodes) < 3:
         raise ValueError(f"cross-validation needs labelled mismatches from at least 3 problems, found {len(episodes)}")
@@ -100,6 +116,7 @@ def cross_validate(episodes: list[Episode], make, train_kwargs: dict, order: np.
                        for tau in taus]
     return {"problems": len(episodes), "mismatches": int(y_all.size), "critical": int(y_all.sum()),
             "auc": {name: roc_auc(np.concatenate(v), y_all) for name, v in scores.items()},
+            "mean_reject_prob": {name: float(np.concatenate(v).mean()) for name, v in scores.items()},
             "fold_auc": fold_auc, "tau_curve": curve}
 
 
@@ -122,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=30, help="epochs; the one with the lowest validation loss is kept (default %(default)s)")
     p.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (default %(default)s)")
     p.add_argument("--weight-decay", type=float, default=1e-2, help="AdamW weight decay (default %(default)s)")
+    p.add_argument("--channel-epochs", type=int, default=30,
+                   help="epochs of the channel stage: only the channel weights of the first layer train, the rest "
+                        "frozen at the best joint epoch; 0 = off (default %(default)s)")
+    p.add_argument("--channel-lr", type=float, default=1e-3, help="Adam learning rate of the channel stage (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cv", action="store_true",
                    help="also run nested leave-one-problem-out cross-validation (one training per problem)")
@@ -132,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--weight-decay must be >= 0 (got {args.weight_decay})")
     if args.channels < 1:
         p.error(f"--channels must be >= 1 (got {args.channels})")
+    if args.channel_epochs < 0 or not args.channel_lr > 0:
+        p.error(f"--channel-epochs must be >= 0 and --channel-lr > 0 (got {args.channel_epochs} and {args.channel_lr})")
 
     episodes, ids, meta = episodes_from_traces([Path(t) for t in args.traces])
     if len(episodes) < 2:
@@ -159,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     Xv, yv = make(val, 1)
     print(f"instances: train {len(y)} (positive share {float((y >= 0.5).mean()):.3f}), val {len(yv)}", file=sys.stderr)
     train_kwargs = dict(d_draft=d_draft, hidden=args.hidden, dropout=args.dropout, epochs=args.epochs, lr=args.lr,
-                        weight_decay=args.weight_decay, seed=args.seed)
+                        weight_decay=args.weight_decay, channel_epochs=args.channel_epochs, channel_lr=args.channel_lr,
+                        seed=args.seed)
     head, hist = train_head(X, y, Xv, yv, **train_kwargs)
     cv = None
     if args.cv:
@@ -167,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         print("cross-validated AUC against the base labels (" + f"{cv['problems']} problems, {cv['mismatches']} "
               f"mismatches, {cv['critical']} critical): "
               + ", ".join(f"{name} {auc:.3f}" for name, auc in cv["auc"].items()), file=sys.stderr)
+        print("mean held-out rejection probability: "
+              + ", ".join(f"{name} {v:.4f}" for name, v in cv["mean_reject_prob"].items()), file=sys.stderr)
         print("held-out mismatches a tau accepts, per scenario: all / critical / problems with a critical one accepted",
               file=sys.stderr)
         print("tau  " + "  ".join(f"{name:>20s}" for name in cv["tau_curve"]), file=sys.stderr)
@@ -181,10 +207,11 @@ def main(argv: list[str] | None = None) -> int:
         "relabel": {"alpha": args.alpha, "rho": args.rho, "k": args.k, "round_compute_s": args.round_compute_s},
         "train_problems": len(train), "val_problems": len(val),
         "val_loss": best.val_loss, "val_auc": best.val_auc, "val_accuracy": best.val_accuracy,
-        "best_epoch": best.epoch, "cv": cv,
+        "best_epoch": hist.best_epoch, "channel_best_epoch": hist.channel_best_epoch, "cv": cv,
         "command": "python -m wisv_ros.cli.train_head " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
     })
-    print(json.dumps({"out": args.out, "sidecar": str(sidecar), "best_epoch": best.epoch,
+    print(json.dumps({"out": args.out, "sidecar": str(sidecar), "best_epoch": hist.best_epoch,
+                      "channel_best_epoch": hist.channel_best_epoch,
                       "val_auc": round(best.val_auc, 4), "val_loss": round(best.val_loss, 4),
                       **({"cv_auc": {k: round(v, 4) for k, v in cv["auc"].items()}} if cv else {})}))
     return 0
