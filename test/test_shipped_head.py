@@ -60,7 +60,7 @@ def test_recorded_command_rebuilds_the_shipped_head(name, labelled, tmp_path, mo
 
 
 def test_shipped_head_is_more_permissive_on_the_worse_channel(labelled):
-    """Same hiddens (every labelled mismatch of the traces), worse channel => lower rejection probability.
+    """Same hiddens (the mismatches the heads train on), worse channel => lower rejection probability.
 
     The relabeled targets set the size of the effect: at a 0.1 s round, 20 Mbit/s / 50 ms keeps about
     two thirds of the critical labels that 500 Mbit/s / 5 ms keeps. The no-CSI ablation, trained on

@@ -54,11 +54,12 @@ def episodes_from_traces(folders: list[Path]) -> tuple[list[Episode], list[str],
                 by_problem.setdefault(r["problem_id"], []).append(i)
             elif tr.problems[r["problem_id"]]["answer"] is not None:
                 unfinished.add(r["problem_id"])
-        if unfinished & set(by_problem):
-            print(f"{folder}: {len(unfinished & set(by_problem))} problem(s) only partly labelled, left out "
+        partial = unfinished & by_problem.keys()
+        if partial:
+            print(f"{folder}: {len(partial)} problem(s) only partly labelled, left out "
                   f"(python -m wisv_ros.cli.traces label --out {folder} finishes them)", file=sys.stderr)
         for pid, rows in sorted(by_problem.items()):
-            if pid in unfinished:
+            if pid in partial:
                 continue
             rows.sort(key=lambda i: tr.records[i]["position"])
             episodes.append(Episode(
