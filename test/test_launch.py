@@ -369,6 +369,7 @@ def test_pip_launcher_runs_the_system(ros_node, tmp_path):
         assert outcome.status_name == "succeeded", outcome.result.error + "\n" + launch.text()
         assert list(outcome.result.token_ids) == expected
         assert outcome.result.rounds > 0 and outcome.result.uplink_bytes > 0
+        assert outcome.result.downlink_bytes > 0 and outcome.result.round_trip_s > 0  # verdicts came back
         # The robot monitor measured the emulated link, and its channel_state reached the edge.
         deadline = time.monotonic() + 30.0
         while not states and time.monotonic() < deadline:

@@ -363,8 +363,85 @@ def test_verifier_killed_mid_goal(ros, target_lm, tmp_path, mode):
             assert out.status_name == "succeeded", out.result.error + "\n" + p.logs()
             assert len(ids) == n
             assert "continuing with the drafter alone" in p.procs["drafter"].log.read_text()
+            assert 0 < out.result.drafter_only_rounds < out.result.rounds  # reported, and the first rounds were verified
     finally:
         p.close()
+
+
+class SlowFirstVerifier:
+    """A stand-in edge in the test process: it answers a request's first block only after ``delay_s``
+    (as a real edge does while it prefills a long prompt on a CPU), later blocks at once; each verdict
+    commits the block's first draft token."""
+
+    def __init__(self, ros, ns: str, delay_s: float):
+        from wisv_ros.msg import DraftBlock, Verdict
+
+        self.ros, self.delay_s, self.Verdict = ros, delay_s, Verdict
+        self.committed: list[int] = []
+        self.blocks: list = []
+        self.pub = ros.create_publisher(Verdict, f"{ns}/verdict", RELIABLE_QOS)
+        self.sub = ros.create_subscription(DraftBlock, f"{ns}/draft_block", self._on_block, RELIABLE_QOS)
+        self.timers: list[threading.Timer] = []
+
+    def _on_block(self, block) -> None:
+        self.blocks.append(block)
+        v = self.Verdict()
+        v.request_id, v.round_id = block.request_id, block.round_id
+        v.accepted_count, v.correction_id = 1, -1
+        v.committed_ids = [int(block.token_ids[0])]
+        v.committed_length = block.prefix_length + 1
+        if block.round_id == 0:
+            t = threading.Timer(self.delay_s, self._publish, (v,))
+            self.timers.append(t)
+            t.start()
+        else:
+            self._publish(v)
+
+    def _publish(self, v) -> None:
+        self.committed.extend(v.committed_ids)
+        self.pub.publish(v)
+
+    def close(self) -> None:
+        for t in self.timers:
+            t.cancel()
+        self.ros.destroy_subscription(self.sub)
+        self.ros.destroy_publisher(self.pub)
+
+
+@pytest.mark.parametrize("first_timeout", [10.0, 0.5])
+def test_the_first_block_waits_for_the_prefill(ros, tmp_path, first_timeout):
+    """The first block of a request waits first_verdict_timeout_s (the edge prefills the prompt),
+    later blocks verdict_timeout_s: a 2 s first verdict passes with 10 s and loses the edge with 0.5 s."""
+    ns = f"/nodes_first_{int(first_timeout * 10)}"
+    edge = SlowFirstVerifier(ros, ns, delay_s=2.0)
+    drafter = NodeProcess("drafter_node", ns, tmp_path, drafter_model=DRAFTER, min_confidence=0.0, on_edge_loss="error",
+                          verdict_timeout_s=0.5, verdict_retries=0, first_verdict_timeout_s=first_timeout)
+    client = GenerateClient(ros, f"{ns}/generate")
+    try:
+        assert client.wait_for_server(START_TIMEOUT), drafter.tail()
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            try:
+                goal = client.start(PROMPT, max_new_tokens=6, k=2)
+                break
+            except (RuntimeError, TimeoutError):  # the drafter is still loading its model
+                assert time.monotonic() < deadline, drafter.tail()
+                time.sleep(0.5)
+        out = goal.outcome(GOAL_TIMEOUT)
+        assert len(edge.blocks) >= 1 and list(edge.blocks[0].context_ids) == PROMPT_IDS
+        if first_timeout > 2.0:
+            assert out.status_name == "succeeded", out.result.error + "\n" + drafter.tail()
+            assert list(out.result.token_ids) == edge.committed  # every round went through the edge
+            assert out.result.rounds == 6 and out.result.downlink_bytes > 0 and out.result.drafter_only_rounds == 0
+            assert out.result.round_trip_s >= 2.0  # the first verdict's wait is counted
+        else:
+            assert out.status_name == "aborted"
+            assert "no verdict within first_verdict_timeout_s = 0.5 s" in out.result.error
+            assert len(edge.blocks) == 1  # no resend (verdict_retries 0)
+    finally:
+        client.client.destroy()
+        drafter.stop()
+        edge.close()
 
 
 def test_invalid_goal_is_aborted_with_the_reason(pair):

@@ -91,6 +91,24 @@ def test_unknown_model_lists_choices(tmp_path):
         models.resolve(str(tmp_path / "missing.gguf"))
 
 
+def test_auto_dtype_follows_the_cpu_bfloat16_units():
+    """auto is bfloat16 only where the CPU has bfloat16 units; elsewhere float32 (emulated bfloat16 is slow)."""
+    avx2 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n"
+    amx = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+    assert models.resolve_dtype("auto", avx2) == "float32"
+    assert models.resolve_dtype("auto", amx) == "bfloat16"
+    assert models.resolve_dtype("auto", "flags : avx512f avx512_bf16\n") == "bfloat16"
+    assert models.resolve_dtype("bfloat16", avx2) == "bfloat16"  # an explicit choice is kept
+    assert models.cpu_has_bf16("model name : amx_bf16 in the name is not a flag\n") is False
+    with pytest.raises(ValueError, match="dtype 'fp32' is not one of auto, float32, bfloat16, float16"):
+        models.resolve_dtype("fp32")
+    with pytest.raises(ValueError, match="dtype 'half'"):
+        models.load_model("tiny-random:0:64", dtype="half")  # checked before any model is built
+    want = torch.bfloat16 if models.cpu_has_bf16() else torch.float32
+    model, _ = models.load_model("smollm2-135m-instruct", dtype="auto")
+    assert model.model.embed_tokens.weight.dtype == want
+
+
 def test_conversion_cache_is_reused(tmp_path, monkeypatch):
     """A second resolve() does not convert again (the cache key is recorded next to the weights)."""
     folder = models.resolve("smollm2-135m-instruct")

@@ -244,14 +244,48 @@ def tiny_random(seed: int = 0, vocab_size: int = 64, noise: float = 0.0, hidden_
     return model.eval()
 
 
+#: Weights dtypes a model can be loaded in; ``auto`` resolves by :func:`resolve_dtype`.
+WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether the CPU has bfloat16 matrix units (AMX-BF16 or AVX512-BF16), from /proc/cpuinfo."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.partition(":")[2].split())
+    return any(f in flags for f in _BF16_CPU_FLAGS)
+
+
+def resolve_dtype(dtype: str, cpuinfo: str | None = None) -> str:
+    """The weights dtype to load: ``auto`` is bfloat16 on CPUs with bfloat16 units, else float32.
+
+    Without AMX-BF16/AVX512-BF16, PyTorch's CPU bfloat16 matmuls are emulated: on an AVX2-only
+    EPYC the default target runs a 80-token prompt in 22 s in bfloat16 against 5.2 s in float32.
+    """
+    if dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"dtype '{dtype}' is not one of {', '.join(WEIGHT_DTYPES)}")
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if cpu_has_bf16(cpuinfo) else "float32"
+
+
 def load_model(spec: str, dtype: str = "float32", fp32_logits: bool = True):
     """Load ``(model, tokenizer)`` for a model spec; tokenizer is None for tiny random models.
 
-    dtype: weights dtype. With bfloat16/float16 and ``fp32_logits`` the output layer runs in float32.
+    dtype: weights dtype (one of ``WEIGHT_DTYPES``; ``auto`` by :func:`resolve_dtype`). With
+    bfloat16/float16 and ``fp32_logits`` the output layer runs in float32.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    torch_dtype = getattr(torch, resolve_dtype(dtype))  # tiny random models stay in float32
     torch.set_flush_denormal(True)  # 3.5x faster CPU inference on dequantised weights
     if spec.startswith("tiny-random"):
         parts = spec.split(":")
@@ -265,9 +299,6 @@ def load_model(spec: str, dtype: str = "float32", fp32_logits: bool = True):
             ) from exc
         return tiny_random(seed, vocab, noise), None
     folder = resolve(spec)
-    torch_dtype = getattr(torch, dtype, None)
-    if not isinstance(torch_dtype, torch.dtype):
-        raise ValueError(f"dtype '{dtype}' is not a torch dtype; use float32, bfloat16 or float16")
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
     if torch_dtype in (torch.bfloat16, torch.float16) and fp32_logits:
         _fp32_output_layer(model)

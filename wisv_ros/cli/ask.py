@@ -9,7 +9,8 @@ is asked with a one-token readiness block (request id ``ready-...``) on ``<ns>/d
 its verdict carries no "not loaded yet" error, and the goal is resent while the drafter rejects
 goals (model loading). Then the committed text is printed as feedback arrives, and a table with
 the result's tokens, rounds, AAL, latency, tokens/s and uplink/downlink bytes, plus the channel
-the robot's link monitor measured (``<ns>/channel_state``) at the end.
+the robot's link monitor measured (``<ns>/channel_state``) at the end, and a warning when the
+drafter committed rounds alone (the edge was lost: that text is not verified).
 
 Exit status: 0 done, 1 the goal was aborted or a model failed to load, 2 timeout (or the
 ``--launcher-pid`` process ended while waiting), 130 Ctrl-C (a running goal is canceled first).
@@ -228,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
         c = channel[-1]
         print(f"channel measured by the link monitor: rate {c.rate_bps / 1e6:.1f} Mbit/s, PER {c.per:.3f}, "
               f"RTT {c.rtt_s * 1e3:.1f} ms")
+    alone = int(getattr(r, "drafter_only_rounds", 0))
+    if alone:
+        print(f"[ask] warning: the drafter committed {alone} of {r.rounds} rounds alone (the edge was lost): "
+              "that part of the text is not verified by the target; the node log says why", file=sys.stderr)
     if outcome.status_name != "succeeded":
         print(f"[ask] goal {outcome.status_name}: {r.error}", file=sys.stderr)
         return 1

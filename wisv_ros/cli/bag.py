@@ -47,6 +47,7 @@ from bisect import bisect_right
 from pathlib import Path
 
 from ..bags import BagError, BagWriter, QosSpec, open_bag, type_hash, typestore
+from ..models import WEIGHT_DTYPES, resolve_dtype
 
 RECORD_DEPTH = 1000  # keep-last depth of the recorder's subscriptions
 REPLAY_MIN_DEPTH = 10  # keep-last depth of replay publishers when the bag records none (or 0)
@@ -397,7 +398,7 @@ def _reverify(args) -> int:
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     lm = CausalLM(*load_model(args.target, dtype=args.target_dtype))
-    print(f"[reverify] target {args.target} ({args.target_dtype}) loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    print(f"[reverify] target {args.target} ({resolve_dtype(args.target_dtype)}) loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     channel_now: list = [SCENARIOS[args.default_channel]]
     head_judge = None
     if args.head:
@@ -572,7 +573,7 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("reverify", help="re-run verification of the recorded draft blocks; compare with the recorded verdicts")
     v.add_argument("bag", help="bag folder")
     v.add_argument("--target", required=True, help="target model spec, as the verifier_node's target_model")
-    v.add_argument("--target-dtype", default="bfloat16", help="as the verifier_node's target_dtype (default %(default)s)")
+    v.add_argument("--target-dtype", default="auto", choices=WEIGHT_DTYPES, help="as the verifier_node's target_dtype (default %(default)s)")
     v.add_argument("--head", default=None, help="WISV decision head .onnx the verifier used (default: none, as the node without head_path)")
     v.add_argument("--method", default="greedy", choices=["greedy", "reject", "wisv"],
                    help="method of blocks whose method field is empty (the verifier's 'method' parameter; default %(default)s)")

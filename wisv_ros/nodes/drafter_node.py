@@ -17,7 +17,9 @@ reject, and for wisv the cheaper of fh/sh by ``link.choose_protocol`` on the lat
 
 Edge loss: a verdict with ``error`` set, or none within ``verdict_timeout_s`` after the block and
 ``verdict_retries`` resends of the same block (same request and round id; each waits
-``verdict_timeout_s``; the verifier answers a resent round with the verdict it already gave). With
+``verdict_timeout_s``; the verifier answers a resent round with the verdict it already gave). A block
+that carries the whole context (a request's first block, or the first after a verifier restart)
+waits ``first_verdict_timeout_s`` instead: the edge runs the prompt through the target first. With
 ``on_edge_loss=error`` the goal is aborted with that reason. With ``drafter_only`` the robot keeps
 going alone (commits its own draft tokens); at most every ``edge_retry_s`` it tries the edge
 again (if a verifier is subscribed), sending the whole committed context with that block; the first
@@ -97,7 +99,7 @@ def load_tokenizer(spec: str):
 def _new_totals() -> dict:
     """Per-goal sums behind the Generate result's stats."""
     return {"up": 0, "down": 0, "draft_s": 0.0, "round_trip_s": 0.0, "edge_s": 0.0, "hidden_requests": 0,
-            "copy_rounds": 0, "copied": 0}
+            "copy_rounds": 0, "copied": 0, "drafter_only_rounds": 0}
 
 
 class _GoalFailed(Exception):
@@ -123,6 +125,11 @@ class DrafterNode(Node):
         p["max_new_tokens"] = declare(self, "max_new_tokens", 128, "default bound on generated tokens (target tokens)", lo=1, hi=1_000_000)
         p["chat"] = declare(self, "chat", True, "apply the models' chat templates to text prompts")
         p["verdict_timeout_s"] = declare(self, "verdict_timeout_s", 5.0, "wait this long for a verdict before the edge counts as lost (s)", lo=0.01, hi=600.0)
+        p["first_verdict_timeout_s"] = declare(
+            self, "first_verdict_timeout_s", 60.0,
+            "the same for a block that carries the whole context (a request's first block, or the first after a verifier "
+            "restart): the edge first runs the prompt through the target, which can take many seconds on a CPU (s)",
+            lo=0.01, hi=3600.0)
         p["verdict_retries"] = declare(self, "verdict_retries", 2,
                                        "on a verdict timeout, resend the same block (same request and round) this many times before the edge counts as lost; the verifier answers a resent block idempotently",
                                        lo=0, hi=100)
@@ -266,6 +273,7 @@ class DrafterNode(Node):
             result.draft_time_s, result.round_trip_s, result.edge_time_s = t["draft_s"], t["round_trip_s"], t["edge_s"]
             result.copy_rounds, result.copied_tokens = t["copy_rounds"], t["copied"]
             result.hidden_requests = t["hidden_requests"]
+            result.drafter_only_rounds = t["drafter_only_rounds"]
             if status == "canceled":
                 result.error = "canceled"
                 goal_handle.canceled()
@@ -312,7 +320,7 @@ class DrafterNode(Node):
         with self._cv:
             self._request_ids.append(request_id)
         eos = self._eos()
-        timeout = float(self._param("verdict_timeout_s"))
+        timeouts = {name: float(self._param(name)) for name in ("verdict_timeout_s", "first_verdict_timeout_s")}
         retries = int(self._param("verdict_retries"))
         fallback = self._param("on_edge_loss") == "drafter_only"
         retry_s = float(self._param("edge_retry_s"))
@@ -337,6 +345,10 @@ class DrafterNode(Node):
                 msg = self._block_msg(request_id, round_id, block, cfg,
                                       context=t_prompt + drafter.committed if need_context else None,
                                       copy_budget=cfg["max_new_tokens"] - len(out) - len(block.token_ids) - 1)
+                # A block with the whole context makes the edge prefill it first; a probe of a lost
+                # edge keeps the short wait, so that the robot does not stall on a dead link.
+                timeout = ("first_verdict_timeout_s", timeouts["first_verdict_timeout_s"]) if need_context and not edge_down \
+                    else ("verdict_timeout_s", timeouts["verdict_timeout_s"])
                 verdict, err = self._exchange(msg, timeout)
                 for attempt in range(1, (0 if edge_down else retries) + 1):  # no resends of a probe of a lost edge
                     if verdict is not None or goal_handle.is_cancel_requested:
@@ -373,6 +385,7 @@ class DrafterNode(Node):
                 round_id += 1
             if committed is None:  # drafter-only round: commit the drafter's own tokens
                 committed = [int(i) for i in block.token_ids]
+                self._totals["drafter_only_rounds"] += 1
             drafter.commit(committed)
             rounds += 1
             new, done = clip(committed, len(out), cfg["max_new_tokens"], eos)
@@ -436,8 +449,10 @@ class DrafterNode(Node):
             self._last_block = (request_id, round_id, block.hidden)
         return msg
 
-    def _exchange(self, msg, timeout: float):
-        """Publish a block, wait for its verdict; (verdict, None) or (verdict or None, reason)."""
+    def _exchange(self, msg, timeout: tuple[str, float]):
+        """Publish a block, wait up to ``timeout`` = (parameter name, s) for its verdict; (verdict, None)
+        or (verdict or None, reason)."""
+        timeout_name, timeout_s = timeout
         key = (msg.request_id, msg.round_id)
         with self._cv:
             self._awaiting, self._verdict = key, None
@@ -445,12 +460,12 @@ class DrafterNode(Node):
         t0 = time.perf_counter()
         self._block_pub.publish(msg)
         with self._cv:
-            self._cv.wait_for(lambda: self._verdict is not None, timeout)
+            self._cv.wait_for(lambda: self._verdict is not None, timeout_s)
             verdict, self._awaiting = self._verdict, None
             if verdict is not None:
                 self._totals["round_trip_s"] += time.perf_counter() - t0
         if verdict is None:
-            return None, f"no verdict within verdict_timeout_s = {timeout} s"
+            return None, f"no verdict within {timeout_name} = {timeout_s} s"
         self._count_bytes(down=msg_bytes(verdict))
         if verdict.error:
             return verdict, f"verifier error: {verdict.error}"

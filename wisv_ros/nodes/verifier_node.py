@@ -54,13 +54,13 @@ from ..decoding import DraftBlock as CoreBlock
 from ..decoding import Method, Verifier
 from ..link import SCENARIOS
 from ..link import ChannelState as LinkChannel
+from ..models import WEIGHT_DTYPES, resolve_dtype
 from ..wire import UNKNOWN_REQUEST, WireError, is_empty, read_hidden, read_tensor
 from .common import RELIABLE_QOS, declare, frozen_after_start, msg_bytes, run_node, stamp_age_s, stamp_now
 
 __all__ = ["VerifierNode", "main"]
 
 _PROTO_NAME = {0: "ids", 1: "fh", 2: "sh"}  # DraftBlock.PROTOCOL_*
-DTYPES = ("float32", "bfloat16", "float16")
 COPY_MODES = ("off", "ngram", "probe")
 
 
@@ -84,7 +84,7 @@ class VerifierNode(Node):
         from ..models import DEFAULT_TARGET
 
         declare(self, "target_model", DEFAULT_TARGET, "target model spec: registry name, HF folder, .gguf file or tiny-random:<seed>:<vocab>")
-        declare(self, "target_dtype", "bfloat16", "dtype of the target weights", choices=DTYPES)
+        declare(self, "target_dtype", "auto", "dtype of the target weights (auto: bfloat16 on CPUs with AMX-BF16/AVX512-BF16, else float32)", choices=WEIGHT_DTYPES)
         declare(self, "method", "greedy", "acceptance rule for blocks whose method field is empty", choices=("greedy", "reject", "wisv"))
         declare(self, "hidden_request_timeout_s", 2.0, "SH: wait this long for the drafter's hidden states (s)", lo=0.001, hi=600.0)
         declare(self, "channel_deadline_s", 1.0, "channel_state must arrive at least this often, else a warning is logged (s; 0 = no deadline)", lo=0.0, hi=3600.0)
@@ -105,8 +105,8 @@ class VerifierNode(Node):
             raise ValueError(f"parameter copy: '{self._param('copy')}' is not one of {', '.join(COPY_MODES)}")
         if self._param("copy") == "probe" and not self._param("probe_path"):
             raise ValueError("parameter probe_path: copy=probe needs a probe file (.npz); set probe_path or use copy:=ngram")
-        if self._param("target_dtype") not in DTYPES:
-            raise ValueError(f"parameter target_dtype: '{self._param('target_dtype')}' is not one of {', '.join(DTYPES)}")
+        if self._param("target_dtype") not in WEIGHT_DTYPES:
+            raise ValueError(f"parameter target_dtype: '{self._param('target_dtype')}' is not one of {', '.join(WEIGHT_DTYPES)}")
         if self._param("default_channel") not in SCENARIOS:
             raise ValueError(f"parameter default_channel: '{self._param('default_channel')}' is not one of {', '.join(SCENARIOS)}")
         if self._param("method") not in ("greedy", "reject", "wisv"):
@@ -162,7 +162,8 @@ class VerifierNode(Node):
             torch.set_num_threads(int(self._param("threads")))
             spec = self._param("target_model")
             t0 = time.perf_counter()
-            model, tok = load_model(spec, dtype=self._param("target_dtype"))
+            dtype = resolve_dtype(self._param("target_dtype"))
+            model, tok = load_model(spec, dtype=dtype)
             capture = []
             if self._param("copy") == "probe":
                 from ..probe import load_probe
@@ -181,8 +182,10 @@ class VerifierNode(Node):
                     raise ValueError(f"head {head_path} expects target hidden size {head.d_target}, the target has {lm.hidden_size}")
                 self._head_judge = make_judge(head, self._channel_state)
             self._copy = self._copy_config()
+            with torch.no_grad():  # warm-up: the first pass pages the weights in and sets up the kernels
+                model(torch.zeros((1, 8), dtype=torch.long))
             self._lm = lm
-            self.get_logger().info(f"target {spec} loaded in {time.perf_counter() - t0:.1f} s"
+            self.get_logger().info(f"target {spec} ({dtype}) loaded and warmed up in {time.perf_counter() - t0:.1f} s"
                                    + (f"; decision head {head_path}" if head_path else "; no decision head"))
         except Exception as exc:
             self._load_error = f"{type(exc).__name__}: {exc}"
@@ -260,6 +263,8 @@ class VerifierNode(Node):
             try:
                 self._on_block(msg, t_recv)
             except Exception as exc:  # noqa: BLE001 - e.g. publishing while the node shuts down
+                if not self.context.ok():  # shutting down: the round's verdict has nowhere to go
+                    return
                 self.get_logger().error(f"request {msg.request_id} round {msg.round_id}: {exc!r}")
 
     def _on_block(self, msg, t_recv: float) -> None:
