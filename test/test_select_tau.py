@@ -45,10 +45,15 @@ def test_select_tau_on_smollm2_and_gemma(tmp_path):
     cfg = tmp_path / "drafter.yaml"
     shutil.copy(ROOT / "config" / "drafter.yaml", cfg)
     out = tmp_path / "tau"
-    code = main(["--drafter", "smollm2-135m-instruct", "--target", "gemma3-270m", "--target-dtype", "float32",
-                 "--head", str(head_path), "--problems", "2", "--taus", "0.5,2.0", "--max-new-tokens", "12",
-                 "--k", "4", "--threads", "1", "--budget", "100", "--write", str(cfg), "--out", str(out)])
-    assert code == 0
+    argv = ["--drafter", "smollm2-135m-instruct", "--target", "gemma3-270m", "--target-dtype", "float32",
+            "--head", str(head_path), "--problems", "2", "--taus", "0.5,2.0", "--max-new-tokens", "12",
+            "--k", "4", "--threads", "1", "--budget", "100", "--write", str(cfg), "--out", str(out)]
+    # Two shards, one after the other here: the first leaves problem 1 to the second and no report.
+    assert main(argv + ["--shard", "0/2"]) == 0
+    assert not (out / "report.json").exists() and "tau: 0.0" in cfg.read_text()
+    assert len((out / "rows.0of2.csv").read_text().splitlines()) == 1 + 3  # problem 0: target, 2 taus
+    assert main(argv + ["--shard", "1/2"]) == 0
+    assert len((out / "rows.1of2.csv").read_text().splitlines()) == 1 + 3
     report = json.loads((out / "report.json").read_text())
     assert [r["tau"] for r in report["results"]] == [0.5, 2.0]
     assert all(0.0 <= r["accuracy"] <= 1.0 and r["rounds"] > 0 for r in report["results"])
@@ -56,3 +61,12 @@ def test_select_tau_on_smollm2_and_gemma(tmp_path):
     assert report["results"][1]["aal"] >= report["results"][0]["aal"]
     assert report["tau"] == 2.0  # a 100-point budget admits every tau
     assert "tau: 2" in cfg.read_text() and (out / "accuracy_vs_tau.png").stat().st_size > 1000
+    # A rerun finds every answer done: it reports again from the rows and answers nothing anew.
+    rows_before = sorted(p.read_text() for p in out.glob("rows*.csv"))
+    (out / "report.json").unlink()
+    assert main(argv) == 0
+    assert json.loads((out / "report.json").read_text())["results"] == report["results"]
+    assert sorted(p.read_text() for p in out.glob("rows*.csv")) == rows_before
+    # Another setting in the same folder is refused with the field that differs.
+    with pytest.raises(SystemExit, match=r"holds results of another setting \(k: 4 there, 8 now\)"):
+        main([a if a != "4" else "8" for a in argv])

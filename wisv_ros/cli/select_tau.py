@@ -15,6 +15,12 @@ problems one problem is 100/n points: choose n so that the budget means somethin
 states the resolution). ``--write`` replaces the ``tau:`` value in a parameter file (the drafter's
 default tau, e.g. config/drafter.yaml) and keeps its comments. Writes report.json, report.csv and
 a plot of accuracy and AAL against tau to ``--out``.
+
+Each answer is a row of ``--out``/rows*.csv as soon as it is done, so a rerun with the same
+options resumes, and ``--shard I/N`` splits the problems over N processes side by side (same
+``--out``); whichever run finds every answer present writes the report and the pick.
+A folder holds one setting (``config.json``): another model, head, channel, K or problem set needs
+a new ``--out``; more taus may be added to a finished run.
 """
 from __future__ import annotations
 
@@ -61,6 +67,41 @@ def _taus(text: str) -> list[float]:
     return taus
 
 
+_ROW_FIELDS = ("problem", "run", "correct", "tokens", "rounds")
+# What makes two runs' rows comparable; a resumed run must match the folder's config.json.
+_CONFIG_KEYS = ("problems", "problem_seed", "max_new_tokens", "head", "channel", "k", "min_confidence", "target", "drafter",
+                "target_dtype", "drafter_dtype")
+
+
+def _run_name(tau: float | None) -> str:
+    return "target" if tau is None else f"tau={tau:g}"
+
+
+def _read_rows(out: Path) -> dict[tuple[int, str], dict]:
+    """Every finished (problem, run) in the folder's row files (all shards)."""
+    rows = {}
+    for path in sorted(out.glob("rows*.csv")):
+        with open(path, newline="") as f:
+            for r in csv.DictReader(f):
+                rows[(int(r["problem"]), r["run"])] = {"correct": int(r["correct"]), "tokens": int(r["tokens"]),
+                                                      "rounds": int(r["rounds"])}
+    return rows
+
+
+def _check_config(out: Path, config: dict) -> None:
+    path = out / "config.json"
+    if path.exists():
+        old = json.loads(path.read_text())
+        diff = [k for k in _CONFIG_KEYS if old.get(k) != config.get(k)]
+        if diff:
+            k = diff[0]
+            raise SystemExit(f"error: --out {out} holds results of another setting ({k}: {old.get(k)!r} there, "
+                             f"{config.get(k)!r} now); use a new --out or the same options")
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(config, indent=2))
+
+
 def main(argv: list[str] | None = None) -> int:
     from ..datasets import build_prompt, generate_gsm_symbolic, gsm8k_correct
     from ..decoding import Method, generate, generate_target_only
@@ -74,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=1.0, help="allowed accuracy drop, percentage points (default %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=320)
     p.add_argument("--write", type=Path, default=None, help="parameter file whose 'tau:' gets the pick")
-    p.add_argument("--out", type=Path, default=Path("runs/tau"), help="report folder (default %(default)s)")
+    p.add_argument("--out", type=Path, default=Path("runs/tau"), help="report folder; a rerun resumes from its rows (default %(default)s)")
+    p.add_argument("--shard", default="0/1", help="I/N: run only problems I, I+N, I+2N, ... (N processes side by side, "
+                   "same --out; the last one to finish reports; default %(default)s)")
     add_model_args(p)
     args = p.parse_args(argv)
     args.method = "wisv"
@@ -85,42 +128,69 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--budget must be >= 0 (got {args.budget})")
     if args.write is not None and not args.write.is_file():
         p.error(f"--write {args.write}: no such file")
-    set_threads(args.threads)
-    target, drafter = load_pair(args)
+    try:
+        shard = tuple(int(x) for x in args.shard.split("/"))
+        if len(shard) != 2 or not 0 <= shard[0] < shard[1]:
+            raise ValueError
+    except ValueError:
+        p.error(f"--shard must be I/N with 0 <= I < N, e.g. 0/2 (got {args.shard!r})")
+    config = {k: getattr(args, k) for k in _CONFIG_KEYS}
+    _check_config(args.out, config)
+    runs = [None, *args.taus]  # None: the target alone (the reference)
     problems = generate_gsm_symbolic(args.problems, args.problem_seed)
-    prompts = [build_prompt(q, tokenizer_has_chat_template=True) for q in problems]
+    done = _read_rows(args.out)
+    todo = [(i, tau) for i in range(shard[0], len(problems), shard[1]) for tau in runs if (i, _run_name(tau)) not in done]
+    if todo:
+        set_threads(args.threads)
+        target, drafter = load_pair(args)
+        rows_path = args.out / ("rows.csv" if shard == (0, 1) else f"rows.{shard[0]}of{shard[1]}.csv")
+        new_file = not rows_path.exists()
+        with open(rows_path, "a", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=_ROW_FIELDS)
+            if new_file:
+                w.writeheader()
+            for i, tau in tqdm(todo, desc="answers", unit="answer", file=sys.stderr):
+                q = problems[i]
+                prompt = build_prompt(q, tokenizer_has_chat_template=True)
+                if tau is None:
+                    res = generate_target_only(target, prompt, args.max_new_tokens, stop_text=answer_complete)
+                    rounds = len(res.token_ids)
+                else:
+                    args.tau = tau
+                    d, v = make_halves(Method.WISV, target, drafter, args)
+                    res = generate(d, v, prompt, args.max_new_tokens, args.k, stop_text=answer_complete)
+                    rounds = res.stats.rounds
+                w.writerow({"problem": i, "run": _run_name(tau), "correct": int(gsm8k_correct(res.text, q.answer)),
+                            "tokens": len(res.token_ids), "rounds": rounds})
+                f.flush()
+        done = _read_rows(args.out)
+    missing = [(i, _run_name(t)) for i in range(len(problems)) for t in runs if (i, _run_name(t)) not in done]
+    if missing:
+        print(f"shard {args.shard} done; {len(missing)} of {len(problems) * len(runs)} answers still missing in "
+              f"{args.out} (other shards running, or rerun without --shard to finish)", file=sys.stderr)
+        return 0
 
-    ref_correct = 0
-    for q, prompt in zip(tqdm(problems, desc="target alone", unit="problem"), prompts):
-        res = generate_target_only(target, prompt, args.max_new_tokens, stop_text=answer_complete)
-        ref_correct += gsm8k_correct(res.text, q.answer)
-    reference = ref_correct / len(problems)
-
+    n = len(problems)
+    reference = sum(done[(i, "target")]["correct"] for i in range(n)) / n
     results = []
     for tau in args.taus:
-        args.tau = tau
-        correct, tokens, rounds = 0, 0, 0
-        for q, prompt in zip(tqdm(problems, desc=f"wisv tau={tau:g}", unit="problem"), prompts):
-            d, v = make_halves(Method.WISV, target, drafter, args)
-            res = generate(d, v, prompt, args.max_new_tokens, args.k, stop_text=answer_complete)
-            correct += gsm8k_correct(res.text, q.answer)
-            tokens += len(res.token_ids)
-            rounds += res.stats.rounds
-        results.append({"tau": tau, "accuracy": correct / len(problems), "correct": correct,
+        rs = [done[(i, _run_name(tau))] for i in range(n)]
+        correct, tokens, rounds = (sum(r[k] for r in rs) for k in ("correct", "tokens", "rounds"))
+        results.append({"tau": tau, "accuracy": correct / n, "correct": correct,
                         "aal": tokens / max(rounds, 1), "rounds": rounds, "tokens": tokens})
     tau = pick_tau(results, reference, args.budget)
 
-    print(f"reference (target alone): {ref_correct}/{len(problems)} = {100 * reference:.1f} %  "
-          f"(one problem = {100 / len(problems):.2f} points)")
+    print(f"reference (target alone): {round(reference * n)}/{n} = {100 * reference:.1f} %  "
+          f"(one problem = {100 / n:.2f} points)")
     print(f"{'tau':>6s} {'accuracy %':>11s} {'drop pp':>8s} {'AAL':>6s} {'rounds':>7s}")
     for r in results:
         print(f"{r['tau']:6.2f} {100 * r['accuracy']:11.1f} {100 * (reference - r['accuracy']):8.1f} "
               f"{r['aal']:6.2f} {r['rounds']:7d}")
     print(f"picked tau = {tau:g} (budget {args.budget} points, channel {args.channel})")
-    args.out.mkdir(parents=True, exist_ok=True)
-    report = {"tau": tau, "budget_pp": args.budget, "reference_accuracy": reference, "problems": len(problems),
+    report = {"tau": tau, "budget_pp": args.budget, "reference_accuracy": reference, "problems": n,
               "problem_seed": args.problem_seed, "channel": args.channel, "head": args.head, "k": args.k,
-              "results": results, "command": " ".join(["python -m wisv_ros.cli.select_tau", *(argv or sys.argv[1:])])}
+              "min_confidence": args.min_confidence, "results": results,
+              "command": " ".join(["python -m wisv_ros.cli.select_tau", *(argv if argv is not None else sys.argv[1:])])}
     (args.out / "report.json").write_text(json.dumps(report, indent=2))
     with open(args.out / "report.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(results[0]))
