@@ -70,3 +70,14 @@ def test_select_tau_on_smollm2_and_gemma(tmp_path):
     # Another setting in the same folder is refused with the field that differs.
     with pytest.raises(SystemExit, match=r"holds results of another setting \(k: 4 there, 8 now\)"):
         main([a if a != "4" else "8" for a in argv])
+
+
+def test_bad_shard_is_refused_with_the_option(tmp_path, capsys):
+    head = tmp_path / "head.onnx"
+    head.write_bytes(b"")  # never opened: the options are checked first
+    for bad in ("2/2", "1", "a/b"):
+        with pytest.raises(SystemExit) as exc:
+            main(["--head", str(head), "--shard", bad, "--out", str(tmp_path / "out")])
+        assert exc.value.code == 2
+        assert f"--shard must be I/N with 0 <= I < N, e.g. 0/2 (got '{bad}')" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # nothing written for a refused run

@@ -3,7 +3,7 @@
 #   bash tools/wisv_head.sh [stage...]      stages: traces labels train tau eval (default: all)
 # Environment: WISV_TRACES (trace folder, default data/traces/default in the checkout, so that labels
 # paid for in CPU hours can be committed), WISV_PROBLEMS (gsm_symbolic problems, default 200),
-# WISV_THREADS (torch threads, default 2; labelling runs that many 1-thread processes side by side),
+# WISV_THREADS (torch threads, default 2; labelling and tau selection run that many 1-thread processes side by side),
 # WISV_ROUND_S (compute time of one round that the CSI relabeling prices a repair against, default 0.1 s:
 # a robot-class drafter and a GPU edge; on this CPU a round takes about 0.8 s and the link hardly matters).
 # Every stage uses the target in float32 (on CPUs without bfloat16 units it decodes batches
@@ -38,11 +38,15 @@ for stage in "${stages[@]}"; do
             H=(--hidden 64 --dropout 0.5 --lr 3e-4 --weight-decay 1e-2 --round-compute-s "$ROUND_S" --cv)
             python -m wisv_ros.cli.train_head --traces "$TRACES" --out "$HEADS/default.onnx" "${H[@]}"
             python -m wisv_ros.cli.train_head --traces "$TRACES" --out "$HEADS/default_no_csi.onnx" "${H[@]}" --no-csi ;;
-    tau)    python -m wisv_ros.cli.select_tau --head "$HEADS/default.onnx" --problems 60 --threads "$THREADS" --target-dtype float32 \
-              --write config/drafter.yaml --out runs/tau ;;
+    tau)    pids=()
+            for ((i = 0; i < THREADS; i++)); do  # one process per core; the last to finish picks and writes tau
+              python -m wisv_ros.cli.select_tau --head "$HEADS/default.onnx" --problems 60 --threads 1 --target-dtype float32 \
+                --shard "$i/$THREADS" --write config/drafter.yaml --out runs/tau & pids+=($!)
+            done
+            for pid in "${pids[@]}"; do wait "$pid"; done ;;
     eval)   python -m wisv_ros.cli.system_bench --dataset gsm8k --limit 100 --max-new-tokens 320 --target-dtype float32 \
               --scenarios 20mbps_5ms,20mbps_50ms,500mbps_5ms,500mbps_50ms --configs greedy,fh,sh,adaptive \
-              --k 8,16,32 --tau 0.3,0.5,0.7 --head "csi=$HEADS/default.onnx" \
+              --k 8,16,32 --tau 0.02,0.1 --head "csi=$HEADS/default.onnx" \
               --head "no_csi=$HEADS/default_no_csi.onnx" --out runs/wisv_eval ;;
     *) echo "unknown stage '$stage' (traces labels train tau eval)" >&2; exit 2 ;;
   esac

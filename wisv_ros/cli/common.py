@@ -67,6 +67,17 @@ def set_threads(n: int) -> None:
         torch.set_num_threads(n)
 
 
+def parse_shard(p: argparse.ArgumentParser, text: str) -> tuple[int, int]:
+    """(I, N) of a ``--shard I/N`` option (0 <= I < N); a parser error naming the option otherwise."""
+    try:
+        shard = tuple(int(x) for x in text.split("/"))
+        if len(shard) == 2 and 0 <= shard[0] < shard[1]:
+            return shard
+    except ValueError:
+        pass
+    p.error(f"--shard must be I/N with 0 <= I < N, e.g. 0/2 (got {text!r})")
+
+
 def load_pair(args: argparse.Namespace, need_drafter: bool = True) -> tuple[CausalLM, CausalLM | None]:
     """Load (target, drafter); the drafter is None when only the target is needed."""
     t0 = time.perf_counter()

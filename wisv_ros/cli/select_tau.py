@@ -1,7 +1,7 @@
 """Pick the WISV threshold tau on held-out generated problems for an accuracy-drop budget.
 
     python -m wisv_ros.cli.select_tau --head config/heads/default.onnx --problems 60 \\
-        --taus 0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9 --budget 1.0 --write config/drafter.yaml
+        --taus 0.01,0.02,0.05,0.1,0.2 --budget 1.0 --write config/drafter.yaml
 
 Problems: gsm_symbolic (reasoning-gym, generated offline) with ``--seed`` (default 1; the traces the
 head was trained on use seed 0 by default, and GSM8K test problems are never used). Each problem
@@ -33,7 +33,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .common import add_model_args, check_args, load_pair, make_halves, set_threads
+from .common import add_model_args, check_args, load_pair, make_halves, parse_shard, set_threads
 
 _TAU_LINE = re.compile(r"^(?P<indent>\s*)tau:\s*(?P<value>[^#\n]*?)(?P<comment>\s*#.*)?$", re.MULTILINE)
 
@@ -111,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--problems", type=int, default=60, help="held-out gsm_symbolic problems (default %(default)s)")
     p.add_argument("--problem-seed", type=int, default=1, help="gsm_symbolic seed (default %(default)s; traces use 0)")
-    p.add_argument("--taus", type=_taus, default=_taus("0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9"))
+    p.add_argument("--taus", type=_taus, default=_taus("0.01,0.02,0.05,0.1,0.2"),
+                   help="thresholds to try (default 0.01,0.02,0.05,0.1,0.2: the shipped head's rejection "
+                   "probabilities centre on the share of critical mismatches, 0.15-0.25)")
     p.add_argument("--budget", type=float, default=1.0, help="allowed accuracy drop, percentage points (default %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=320)
     p.add_argument("--write", type=Path, default=None, help="parameter file whose 'tau:' gets the pick")
@@ -128,12 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--budget must be >= 0 (got {args.budget})")
     if args.write is not None and not args.write.is_file():
         p.error(f"--write {args.write}: no such file")
-    try:
-        shard = tuple(int(x) for x in args.shard.split("/"))
-        if len(shard) != 2 or not 0 <= shard[0] < shard[1]:
-            raise ValueError
-    except ValueError:
-        p.error(f"--shard must be I/N with 0 <= I < N, e.g. 0/2 (got {args.shard!r})")
+    shard = parse_shard(p, args.shard)
     config = {k: getattr(args, k) for k in _CONFIG_KEYS}
     _check_config(args.out, config)
     runs = [None, *args.taus]  # None: the target alone (the reference)

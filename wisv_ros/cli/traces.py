@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from ..datasets import generate_gsm_symbolic
 from ..traces import bench_labelling, collect_traces, label_mismatches, load_traces
-from .common import add_model_args, check_args, load_pair, set_threads
+from .common import add_model_args, check_args, load_pair, parse_shard, set_threads
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,12 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.batch_size < 1:
         p.error(f"--batch-size must be >= 1 (got {args.batch_size})")
-    try:
-        shard = tuple(int(x) for x in args.shard.split("/"))
-        if len(shard) != 2 or not 0 <= shard[0] < shard[1]:
-            raise ValueError
-    except ValueError:
-        p.error(f"--shard must be I/N with 0 <= I < N, e.g. 0/2 (got {args.shard!r})")
+    shard = parse_shard(p, args.shard)
     target, _ = load_pair(args, need_drafter=False)
     res = label_mismatches(target, Path(args.out), batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                            limit=args.limit, shard=shard, progress=lambda total: tqdm(total=total, desc="labels", unit="label", file=sys.stderr))
