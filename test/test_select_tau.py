@@ -28,6 +28,10 @@ def test_write_tau_keeps_the_comments(tmp_path):
     after = path.read_text()
     changed = [(a, b) for a, b in zip(before.splitlines(), after.splitlines()) if a != b]
     assert len(changed) == 1 and "tau: 0.35" in changed[0][1] and "# default WISV threshold" in changed[0][1]
+    assert changed[0][1].index("#") == changed[0][0].index("#")  # the comment column is kept
+    write_tau(path, 0.123456789)  # a value longer than the gap: one space before the comment
+    line = next(ln for ln in path.read_text().splitlines() if "tau:" in ln)
+    assert line.split("#")[0].strip() == "tau: 0.123457" and line.index("#") == changed[0][0].index("#")
     (tmp_path / "bad.yaml").write_text("a: 1\n")
     with pytest.raises(SystemExit, match="expected exactly one 'tau:' line, found 0"):
         write_tau(tmp_path / "bad.yaml", 0.1)
@@ -50,7 +54,7 @@ def test_select_tau_on_smollm2_and_gemma(tmp_path):
             "--k", "4", "--threads", "1", "--budget", "100", "--write", str(cfg), "--out", str(out)]
     # Two shards, one after the other here: the first leaves problem 1 to the second and no report.
     assert main(argv + ["--shard", "0/2"]) == 0
-    assert not (out / "report.json").exists() and "tau: 0.0" in cfg.read_text()
+    assert not (out / "report.json").exists() and cfg.read_text() == (ROOT / "config" / "drafter.yaml").read_text()
     assert len((out / "rows.0of2.csv").read_text().splitlines()) == 1 + 3  # problem 0: target, 2 taus
     assert main(argv + ["--shard", "1/2"]) == 0
     assert len((out / "rows.1of2.csv").read_text().splitlines()) == 1 + 3

@@ -53,7 +53,10 @@ def write_tau(path: Path, tau: float) -> None:
         raise SystemExit(f"error: --write {path}: expected exactly one 'tau:' line, found {len(matches)}; "
                          "add 'tau: 0.0' under the drafter's ros__parameters")
     m = matches[0]
-    line = f"{m['indent']}tau: {tau:g}{m['comment'] or ''}"
+    line = f"{m['indent']}tau: {tau:g}"
+    if m["comment"]:  # the comment stays in its column
+        column = len(m.group(0)) - len(m["comment"].lstrip())
+        line += " " * max(1, column - len(line)) + m["comment"].lstrip()
     path.write_text(text[:m.start()] + line + text[m.end():])
 
 
