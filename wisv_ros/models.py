@@ -246,6 +246,9 @@ def tiny_random(seed: int = 0, vocab_size: int = 64, noise: float = 0.0, hidden_
 
 #: Weights dtypes a model can be loaded in; ``auto`` resolves by :func:`resolve_dtype`.
 WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "float16")
+#: The command-line help of a ``--target-dtype`` option (argparse fills in the default).
+TARGET_DTYPE_HELP = ("target weights dtype: auto (bfloat16 on CPUs with AMX-BF16/AVX512-BF16, else float32), "
+                     "float32, bfloat16 or float16 (default %(default)s)")
 _BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 
 

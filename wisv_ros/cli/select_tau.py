@@ -138,8 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     _check_config(args.out, config)
     runs = [None, *args.taus]  # None: the target alone (the reference)
     problems = generate_gsm_symbolic(args.problems, args.problem_seed)
-    done = _read_rows(args.out)
-    todo = [(i, tau) for i in range(shard[0], len(problems), shard[1]) for tau in runs if (i, _run_name(tau)) not in done]
+
+    def pending(indices, done: dict) -> list[tuple[int, float | None]]:
+        return [(i, tau) for i in indices for tau in runs if (i, _run_name(tau)) not in done]
+
+    todo = pending(range(shard[0], len(problems), shard[1]), _read_rows(args.out))
     if todo:
         set_threads(args.threads)
         target, drafter = load_pair(args)
@@ -163,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                 w.writerow({"problem": i, "run": _run_name(tau), "correct": int(gsm8k_correct(res.text, q.answer)),
                             "tokens": len(res.token_ids), "rounds": rounds})
                 f.flush()
-        done = _read_rows(args.out)
-    missing = [(i, _run_name(t)) for i in range(len(problems)) for t in runs if (i, _run_name(t)) not in done]
+    done = _read_rows(args.out)  # all shards' answers
+    missing = pending(range(len(problems)), done)
     if missing:
         print(f"shard {args.shard} done; {len(missing)} of {len(problems) * len(runs)} answers still missing in "
               f"{args.out} (other shards running, or rerun without --shard to finish)", file=sys.stderr)

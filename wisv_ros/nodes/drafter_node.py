@@ -347,9 +347,8 @@ class DrafterNode(Node):
                                       copy_budget=cfg["max_new_tokens"] - len(out) - len(block.token_ids) - 1)
                 # A block with the whole context makes the edge prefill it first; a probe of a lost
                 # edge keeps the short wait, so that the robot does not stall on a dead link.
-                timeout = ("first_verdict_timeout_s", timeouts["first_verdict_timeout_s"]) if need_context and not edge_down \
-                    else ("verdict_timeout_s", timeouts["verdict_timeout_s"])
-                verdict, err = self._exchange(msg, timeout)
+                wait = "first_verdict_timeout_s" if need_context and not edge_down else "verdict_timeout_s"
+                verdict, err = self._exchange(msg, wait, timeouts[wait])
                 for attempt in range(1, (0 if edge_down else retries) + 1):  # no resends of a probe of a lost edge
                     if verdict is not None or goal_handle.is_cancel_requested:
                         break
@@ -358,7 +357,7 @@ class DrafterNode(Node):
                     self.get_logger().warning(f"request {request_id} round {round_id}: {err}; "
                                               f"resending the block ({attempt}/{retries})")
                     stamp_now(self, msg.header)
-                    verdict, err = self._exchange(msg, timeout)
+                    verdict, err = self._exchange(msg, wait, timeouts[wait])
                 if verdict is None and goal_handle.is_cancel_requested:
                     break
                 round_id += 1
@@ -449,10 +448,9 @@ class DrafterNode(Node):
             self._last_block = (request_id, round_id, block.hidden)
         return msg
 
-    def _exchange(self, msg, timeout: tuple[str, float]):
-        """Publish a block, wait up to ``timeout`` = (parameter name, s) for its verdict; (verdict, None)
-        or (verdict or None, reason)."""
-        timeout_name, timeout_s = timeout
+    def _exchange(self, msg, timeout_name: str, timeout_s: float):
+        """Publish a block, wait up to ``timeout_s`` (parameter ``timeout_name``) for its verdict;
+        (verdict, None) or (verdict or None, reason)."""
         key = (msg.request_id, msg.round_id)
         with self._cv:
             self._awaiting, self._verdict = key, None
