@@ -246,9 +246,6 @@ def tiny_random(seed: int = 0, vocab_size: int = 64, noise: float = 0.0, hidden_
 
 #: Weights dtypes a model can be loaded in; ``auto`` resolves by :func:`resolve_dtype`.
 WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "float16")
-#: The command-line help of a ``--target-dtype`` option (argparse fills in the default).
-TARGET_DTYPE_HELP = ("target weights dtype: auto (bfloat16 on CPUs with AMX-BF16/AVX512-BF16, else float32), "
-                     "float32, bfloat16 or float16 (default %(default)s)")
 _BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
@@ -277,6 +274,17 @@ def resolve_dtype(dtype: str, cpuinfo: str | None = None) -> str:
     if dtype != "auto":
         return dtype
     return "bfloat16" if cpu_has_bf16(cpuinfo) else "float32"
+
+
+def add_dtype_args(p, drafter: bool = True) -> None:
+    """The command-line tools' ``--target-dtype`` (default auto) and, with ``drafter``, ``--drafter-dtype``
+    (default float32) on an argparse parser."""
+    p.add_argument("--target-dtype", default="auto", choices=WEIGHT_DTYPES,
+                   help="target weights dtype: auto (bfloat16 on CPUs with AMX-BF16/AVX512-BF16, else float32), "
+                   "float32, bfloat16 or float16 (default %(default)s)")
+    if drafter:
+        p.add_argument("--drafter-dtype", default="float32", choices=WEIGHT_DTYPES,
+                       help="drafter weights dtype (default %(default)s)")
 
 
 def load_model(spec: str, dtype: str = "float32", fp32_logits: bool = True):

@@ -9,7 +9,7 @@ import time
 
 from ..decoding import CopyConfig, Drafter, Method, Verifier
 from ..lm import CausalLM
-from ..models import DEFAULT_DRAFTER, DEFAULT_TARGET, REGISTRY, TARGET_DTYPE_HELP, WEIGHT_DTYPES, load_model
+from ..models import DEFAULT_DRAFTER, DEFAULT_TARGET, REGISTRY, add_dtype_args, load_model
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -35,8 +35,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--channel", default="20mbps_50ms",
                    help="method wisv, in-process runs: channel scenario fed to the head (default %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
-    p.add_argument("--target-dtype", default="auto", choices=WEIGHT_DTYPES, help=TARGET_DTYPE_HELP)
-    p.add_argument("--drafter-dtype", default="float32", choices=WEIGHT_DTYPES, help="drafter weights dtype (default %(default)s)")
+    add_dtype_args(p)
 
 
 def check_args(args: argparse.Namespace) -> None:

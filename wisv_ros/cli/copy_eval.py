@@ -56,7 +56,7 @@ from tqdm import tqdm
 from ..decoding import CopyConfig, Drafter, Generation, Method, Verifier, generate, generate_target_only
 from ..lm import CausalLM
 from ..metrics import DecodeStats, format_table
-from ..models import DEFAULT_DRAFTER, DEFAULT_TARGET, REGISTRY, TARGET_DTYPE_HELP, WEIGHT_DTYPES, load_model
+from ..models import DEFAULT_DRAFTER, DEFAULT_TARGET, REGISTRY, add_dtype_args, load_model
 from .bench import dataset_prompts
 from .common import set_threads
 
@@ -247,8 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="greedy+ngram: suffix tokens to match (default %(default)s, prompt lookup decoding's n-gram)")
     p.add_argument("--copy-width", type=int, default=4, help="copy mode: candidates per round, W (default %(default)s)")
     p.add_argument("--copy-depth", type=int, default=16, help="copy mode: tokens per candidate, D (default %(default)s)")
-    p.add_argument("--target-dtype", default="auto", choices=WEIGHT_DTYPES, help=TARGET_DTYPE_HELP)
-    p.add_argument("--drafter-dtype", default="float32", choices=WEIGHT_DTYPES, help="drafter weights dtype (default %(default)s)")
+    add_dtype_args(p)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     args = p.parse_args(argv)
     for name in ("k", "kappa", "ngram_kappa", "copy_width", "copy_depth", "max_new_tokens"):

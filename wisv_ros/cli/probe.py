@@ -35,7 +35,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ..lm import LAYER_KINDS, CausalLM
-from ..models import DEFAULT_TARGET, REGISTRY, TARGET_DTYPE_HELP, WEIGHT_DTYPES, load_model
+from ..models import DEFAULT_TARGET, REGISTRY, add_dtype_args, load_model
 from ..probe import (PROMPT_KINDS, build_repetition_prompts, collect_probe_data, evaluate, load_probe, load_probe_data, save_probe,
                      split_by_source, split_three_by_source, train_layers)
 from .common import set_threads
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     col.add_argument("--out", required=True, help="data folder (created; resumed if it exists)")
     col.add_argument("--target", default=DEFAULT_TARGET,
                      help=f"target model: {', '.join(REGISTRY)}, a HF folder or a .gguf file (default %(default)s)")
-    col.add_argument("--target-dtype", default="auto", choices=WEIGHT_DTYPES, help=TARGET_DTYPE_HELP)
+    add_dtype_args(col, drafter=False)
     col.add_argument("--prompts", type=int, default=400, help="number of prompts, kinds taking turns (default %(default)s)")
     col.add_argument("--prompt-kinds", type=_names(PROMPT_KINDS), default=list(PROMPT_KINDS),
                      help=f"comma-separated prompt kinds, of {','.join(PROMPT_KINDS)} "

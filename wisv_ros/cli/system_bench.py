@@ -370,7 +370,7 @@ def _floats(text: str) -> list[float]:
 
 def main(argv=None) -> int:
     from ..link import SCENARIOS
-    from ..models import DEFAULT_DRAFTER, DEFAULT_TARGET, TARGET_DTYPE_HELP, WEIGHT_DTYPES
+    from ..models import DEFAULT_DRAFTER, DEFAULT_TARGET, add_dtype_args
 
     p = argparse.ArgumentParser(prog="python -m wisv_ros.cli.system_bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -386,7 +386,7 @@ def main(argv=None) -> int:
     p.add_argument("--min-confidence", type=float, default=0.6, help="drafter confidence stop (default %(default)s)")
     p.add_argument("--drafter", default=DEFAULT_DRAFTER)
     p.add_argument("--target", default=DEFAULT_TARGET)
-    p.add_argument("--target-dtype", default="auto", choices=WEIGHT_DTYPES, help=TARGET_DTYPE_HELP)
+    add_dtype_args(p, drafter=False)
     p.add_argument("--head", action="append", default=[],
                    help="WISV decision head for the verifier as LABEL=PATH.onnx (repeatable, e.g. csi=... no_csi=...; "
                         "each head is a separate graph start); none: wisv rejects every mismatch")
