@@ -5,7 +5,7 @@ remapped into the robot's namespace. The graph is described once, in wisv_ros/gr
 wisv_ros.cli.launch edge` starts the same nodes without ROS 2 launch. `ros2 launch wisv_ros
 edge.launch.py --show-args` lists the arguments.
 """
-from wisv_ros.ros_launch import launch_description
+from wisv_ros.graph.ros_launch import launch_description
 
 
 def generate_launch_description():

@@ -25,8 +25,8 @@ import pytest
 
 rclpy = pytest.importorskip("rclpy")
 
-from wisv_ros import bags  # noqa: E402
-from wisv_ros.bags import QosSpec, open_bag, to_plain  # noqa: E402
+from wisv_ros.interfaces import bags  # noqa: E402
+from wisv_ros.interfaces.bags import QosSpec, open_bag, to_plain  # noqa: E402
 from wisv_ros.cli import bag as bag_cli  # noqa: E402
 from wisv_ros.nodes.client import GenerateClient  # noqa: E402
 from wisv_ros.nodes.common import RELIABLE_QOS, reliable_qos  # noqa: E402
@@ -105,8 +105,8 @@ def _channel_head(path: Path) -> str:
     20 Mbit/s (accept every mismatch), 0.99 at 500 Mbit/s (reject every mismatch)."""
     import torch
 
-    from wisv_ros.head import DecisionHead, export_onnx
-    from wisv_ros.link import CHANNEL_FEATURES
+    from wisv_ros.wisv.head_training import DecisionHead, export_onnx
+    from wisv_ros.link.channel import CHANNEL_FEATURES
 
     head = DecisionHead(32, 32, hidden=1, dropout=0.0)
     with torch.no_grad():

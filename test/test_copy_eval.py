@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from wisv_ros.cli import copy_eval
-from wisv_ros.metrics import DecodeStats
-from wisv_ros.probe import load_probe, save_probe
+from wisv_ros.sd.metrics import DecodeStats
+from wisv_ros.switchsd.probe import load_probe
+from wisv_ros.switchsd.probe_training import save_probe
 
 torch.set_num_threads(1)
 
@@ -163,7 +164,7 @@ QWEN_HIDDEN, QWEN_LAYERS = 1536, 28  # Qwen2.5-Coder-1.5B: hidden_size and num_h
 
 
 def test_shipped_probe_loads_for_the_default_target():
-    from wisv_ros.models import DEFAULT_TARGET
+    from wisv_ros.sd.models import DEFAULT_TARGET
 
     paths = sorted((ROOT / "config" / "probes").glob("*.npz"))
     assert paths, "no probe shipped in config/probes"

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from wisv_ros.copying import copy_candidates, verify_tree
-from wisv_ros.lm import CausalLM
-from wisv_ros.models import load_model
+from wisv_ros.switchsd.copying import copy_candidates, verify_tree
+from wisv_ros.sd.lm import CausalLM
+from wisv_ros.sd.models import load_model
 
 
 def test_candidates_most_recent_first_and_distinct():
@@ -51,7 +51,7 @@ def test_tree_pass_equals_separate_verification(seed):
     res = verify_tree(fresh, context, cands)
     assert res.accepted_per_candidate == [n for n, _ in expected]
     best = max(range(len(cands)), key=lambda i: (expected[i][0], -i))
-    assert res.accepted == cands[best][: expected[best][0]]
+    assert res.accepted_ids == cands[best][: expected[best][0]]
     assert res.next_id == expected[best][1]
     assert fresh.cached == context  # rolled back to the context
     assert res.accepted_per_candidate[2] == 5  # the target's own continuation is accepted whole
@@ -73,7 +73,10 @@ def test_tree_pass_on_a_real_model_copies_a_repeated_span():
 
 def test_copy_mode_is_lossless_and_copies():
     """n-gram copy mode (no probe) on a repetitive tiny-model sequence: output equals target greedy."""
-    from wisv_ros.decoding import CopyConfig, Drafter, Verifier, generate, generate_target_only
+    from wisv_ros.switchsd.copying import CopyConfig
+    from wisv_ros.sd.drafting import Drafter
+    from wisv_ros.sd.verification import Verifier
+    from wisv_ros.sd.rounds import generate, generate_target_only
 
     target = CausalLM(load_model("tiny-random:0:16")[0])
     drafter = CausalLM(load_model("tiny-random:0:16:0.05")[0])
@@ -87,7 +90,10 @@ def test_copy_mode_is_lossless_and_copies():
 
 
 def test_probe_gate_controls_copy_mode():
-    from wisv_ros.decoding import CopyConfig, Drafter, Verifier, generate, generate_target_only
+    from wisv_ros.switchsd.copying import CopyConfig
+    from wisv_ros.sd.drafting import Drafter
+    from wisv_ros.sd.verification import Verifier
+    from wisv_ros.sd.rounds import generate, generate_target_only
 
     model, _ = load_model("tiny-random:0:16")
     target = CausalLM(model, capture=[(1, "post_attn")])
@@ -120,7 +126,7 @@ def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
 def test_sampled_tree_walk_follows_the_target_distribution():
     """Copy rounds under rejection SD: the first committed token ~ p(. | context) and, after the
     shared candidate token, the second ~ p(. | context + that token), whatever the candidates."""
-    from wisv_ros.acceptance import softmax_t
+    from wisv_ros.sd.acceptance import softmax_t
 
     lm = CausalLM(load_model("tiny-random:0:16")[0])
     ctx, temperature = [3, 1, 4, 1, 5, 9, 2, 6], 1.0
@@ -138,11 +144,11 @@ def test_sampled_tree_walk_follows_the_target_distribution():
     gen = torch.Generator().manual_seed(0)
     for _ in range(n):
         res = verify_tree(lm, ctx, candidates, temperature=temperature, generator=gen)
-        committed = res.accepted + [res.next_id]
+        committed = res.accepted_ids + [res.next_id]
         first[committed[0]] += 1
         if committed[0] == a:
             second[committed[1]] += 1
-        assert res.accepted == candidates[res.candidate][:len(res.accepted)] if res.accepted else res.candidate == -1
+        assert res.accepted_ids == candidates[res.candidate][:len(res.accepted_ids)] if res.accepted_ids else res.candidate == -1
     chi_first, dof_first = _chi2(first, p0)
     chi_second, dof_second = _chi2(second, p1)
     # p ~ 1e-4 bounds for these degrees of freedom; a greedy or biased walk gives hundreds.
@@ -155,7 +161,10 @@ def test_sampled_tree_walk_follows_the_target_distribution():
 def test_copy_rounds_run_under_rejection_sd():
     """Method reject with copy mode: copy rounds happen and the request completes (the exactness
     of each sampled copy round is the test above)."""
-    from wisv_ros.decoding import CopyConfig, Drafter, Method, Verifier, generate
+    from wisv_ros.switchsd.copying import CopyConfig
+    from wisv_ros.sd.drafting import Drafter
+    from wisv_ros.sd.verification import Method, Verifier
+    from wisv_ros.sd.rounds import generate
 
     target = CausalLM(load_model("tiny-random:0:64")[0])
     drafter = CausalLM(load_model("tiny-random:0:64:0.05")[0])

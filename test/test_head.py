@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from wisv_ros.acceptance import Decision, judged_accept
-from wisv_ros.head import DecisionHead, OnnxHead, export_onnx, make_judge, roc_auc, sidecar_path, train_head
-from wisv_ros.link import CHANNEL_FEATURES, SCENARIOS, ChannelState, WireFormat
-from wisv_ros.relabel import ChannelDistribution, Episode, RelabelConfig, make_instances, make_instances_no_csi
+from wisv_ros.sd.acceptance import Decision, judged_accept
+from wisv_ros.wisv.head_training import DecisionHead, export_onnx, train_head
+from wisv_ros.wisv.head import OnnxHead, make_judge, sidecar_path
+from wisv_ros.eval.scoring import roc_auc
+from wisv_ros.link.channel import CHANNEL_FEATURES, SCENARIOS, ChannelState, WireFormat
+from wisv_ros.wisv.relabel import ChannelDistribution, Episode, RelabelConfig, make_instances, make_instances_no_csi
 
 torch.set_num_threads(1)
 
@@ -254,7 +256,7 @@ def rtt_head(tmp_path) -> OnnxHead:
 
 
 def toy_round():
-    from wisv_ros.decoding import DraftBlock
+    from wisv_ros.sd.drafting import DraftBlock
 
     draft = [3, 1, 4, 1]
     target_argmax = [3, 2, 4, 5, 9]  # mismatches at 1 and 3; bonus 9
@@ -276,7 +278,7 @@ def test_make_judge_with_judged_accept(tmp_path):
 
     def recording(s):
         calls.append(list(s))
-        return judge(block, s, target_hidden)
+        return judge(block.hidden, s, target_hidden)
 
     p = recording([1, 3])
     assert p.dtype == torch.float32 and p.shape == (2,)
@@ -295,20 +297,19 @@ def test_make_judge_errors(tmp_path):
     head = rtt_head(tmp_path)
     _, _, block, target_hidden = toy_round()
     with pytest.raises(TypeError, match="ChannelState"):
-        make_judge(head, lambda: None)(block, [1], target_hidden)
+        make_judge(head, lambda: None)(block.hidden, [1], target_hidden)
     judge = make_judge(head, lambda: SCENARIOS["20mbps_5ms"])
     with pytest.raises(ValueError, match="out of range"):
-        judge(block, [4], target_hidden)
-    block.hidden = None
-    with pytest.raises(ValueError, match="block.hidden is None"):
-        judge(block, [1], target_hidden)
+        judge(block.hidden, [4], target_hidden)
 
 
 def test_judge_drives_the_verifier_on_tiny_models(tmp_path):
     """End to end on the tiny random pair: a head that rejects everything gives the target's greedy output."""
-    from wisv_ros.decoding import Drafter, Method, Verifier, generate, generate_target_only
-    from wisv_ros.lm import CausalLM
-    from wisv_ros.models import load_model
+    from wisv_ros.sd.drafting import Drafter
+    from wisv_ros.sd.verification import Method, Verifier
+    from wisv_ros.sd.rounds import generate, generate_target_only
+    from wisv_ros.sd.lm import CausalLM
+    from wisv_ros.sd.models import load_model
 
     target = CausalLM(load_model("tiny-random:0:64")[0])
     drafter = CausalLM(load_model("tiny-random:0:64:0.05")[0])

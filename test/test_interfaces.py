@@ -63,7 +63,7 @@ def test_draft_block_round_trip_with_4kib_hidden():
     msg.hidden.dtype = "float32"
     msg.hidden.shape = list(hidden.shape)
     msg.hidden.positions = [0, 3]
-    msg.drafter_time = 0.0125
+    msg.draft_time_s = 0.0125
 
     back = deserialize_message(serialize_message(msg), DraftBlock)
 
@@ -76,7 +76,7 @@ def test_draft_block_round_trip_with_4kib_hidden():
     assert back.hidden.dtype == "float32"
     assert list(back.hidden.shape) == [2, 512]
     assert list(back.hidden.positions) == [0, 3]
-    assert back.drafter_time == 0.0125
+    assert back.draft_time_s == 0.0125
     assert len(back.hidden.data) == 4096
     decoded = np.frombuffer(bytes(back.hidden.data), dtype="<f4").reshape(back.hidden.shape)
     np.testing.assert_array_equal(decoded, hidden)

@@ -28,9 +28,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from wisv_ros import graph
+from wisv_ros.graph import description as graph
 from wisv_ros.cli.launch import build_commands, parse_sets
-from wisv_ros.models import DEFAULT_DRAFTER, DEFAULT_TARGET
+from wisv_ros.sd.models import DEFAULT_DRAFTER, DEFAULT_TARGET
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = "tiny-random:0:64"
@@ -333,9 +333,9 @@ def _get_parameters(node, full_name: str, names: list[str]) -> dict:
 
 
 def test_pip_launcher_runs_the_system(ros_node, tmp_path):
-    from wisv_ros.decoding import generate_target_only
-    from wisv_ros.lm import CausalLM
-    from wisv_ros.models import load_model
+    from wisv_ros.sd.rounds import generate_target_only
+    from wisv_ros.sd.lm import CausalLM
+    from wisv_ros.sd.models import load_model
     from wisv_ros.msg import ChannelState
     from wisv_ros.nodes.client import GenerateClient
     from wisv_ros.nodes.common import RELIABLE_QOS

@@ -1,36 +1,15 @@
-"""Tests for wisv_ros.link (pure Python, no ROS)."""
+"""Tests for wisv_ros.link.channel (pure Python, no ROS)."""
 
 import math
 
 import numpy as np
 import pytest
 
-from wisv_ros.link import (
-    CHANNEL_FEATURES,
-    SCENARIOS,
-    ChannelState,
-    ChannelTrace,
-    ModelShape,
-    Protocol,
-    ShPayload,
-    WireFormat,
-    choose_protocol,
-    comm_time_dist,
-    comm_time_fh,
-    comm_time_ids,
-    comm_time_sh,
-    compute_time_s,
-    downlink_bytes_request,
-    downlink_bytes_verdict,
-    exchange_time_s,
-    forward_flops,
-    hidden_bytes,
-    scenario,
-    transfer_time_s,
-    uplink_bytes_dist,
-    uplink_bytes_fh,
-    uplink_bytes_ids,
-    uplink_bytes_sh,
+from wisv_ros.link.channel import (
+    CHANNEL_FEATURES, SCENARIOS, ChannelState, ChannelTrace, ModelShape, Protocol, ShPayload, WireFormat,
+    choose_protocol, comm_time_dist, comm_time_fh, comm_time_ids, comm_time_sh, compute_time_s,
+    downlink_bytes_request, downlink_bytes_verdict, exchange_time_s, forward_flops, hidden_bytes, scenario,
+    transfer_time_s, uplink_bytes_dist, uplink_bytes_fh, uplink_bytes_ids, uplink_bytes_sh,
 )
 
 FMT = WireFormat(hidden_dim=4096)  # fp16 hiddens: B_hid = 8192 bytes

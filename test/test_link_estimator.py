@@ -1,4 +1,4 @@
-"""Tests for wisv_ros.link_estimator (pure Python, no ROS): synthetic timings, then the
+"""Tests for wisv_ros.link.estimator (pure Python, no ROS): synthetic timings, then the
 estimator driven by the link emulator (probes and echoes timed by LinkEmulator)."""
 
 import math
@@ -6,9 +6,9 @@ import math
 import numpy as np
 import pytest
 
-from wisv_ros.emulator import Direction, LinkEmulator
-from wisv_ros.link import ChannelState, ChannelTrace, scenario
-from wisv_ros.link_estimator import LinkEstimator, ProbeKind
+from wisv_ros.link.emulator import Direction, LinkEmulator
+from wisv_ros.link.channel import ChannelState, ChannelTrace, scenario
+from wisv_ros.link.estimator import LinkEstimator, ProbeKind
 
 SMALL, LARGE = ProbeKind.SMALL, ProbeKind.LARGE
 

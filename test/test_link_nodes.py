@@ -30,7 +30,7 @@ from rclpy.executors import SingleThreadedExecutor  # noqa: E402
 from rclpy.parameter import Parameter  # noqa: E402
 from rcl_interfaces.srv import SetParameters  # noqa: E402
 
-from wisv_ros.link import scenario  # noqa: E402
+from wisv_ros.link.channel import scenario  # noqa: E402
 from wisv_ros.msg import ChannelState  # noqa: E402
 from wisv_ros.nodes.link_monitor_node import STATE_QOS  # noqa: E402
 

@@ -19,12 +19,12 @@ import pytest
 
 rclpy = pytest.importorskip("rclpy")
 
-from wisv_ros.decoding import generate_target_only  # noqa: E402
-from wisv_ros.lm import CausalLM  # noqa: E402
-from wisv_ros.models import load_model  # noqa: E402
+from wisv_ros.sd.rounds import generate_target_only  # noqa: E402
+from wisv_ros.sd.lm import CausalLM  # noqa: E402
+from wisv_ros.sd.models import load_model  # noqa: E402
 from wisv_ros.nodes.client import GenerateClient  # noqa: E402
 from wisv_ros.nodes.common import RELIABLE_QOS  # noqa: E402
-from wisv_ros.wire import fill_hidden  # noqa: E402
+from wisv_ros.interfaces.wire import fill_hidden  # noqa: E402
 
 TARGET = "tiny-random:0:64"
 DRAFTER = "tiny-random:0:64:0.05"  # agrees with the target about a third of the time
@@ -387,7 +387,7 @@ class SlowFirstVerifier:
         self.blocks.append(block)
         v = self.Verdict()
         v.request_id, v.round_id = block.request_id, block.round_id
-        v.accepted_count, v.correction_id = 1, -1
+        v.accepted, v.correction_id = 1, -1
         v.committed_ids = [int(block.token_ids[0])]
         v.committed_length = block.prefix_length + 1
         if block.round_id == 0:
@@ -456,8 +456,10 @@ def test_invalid_goal_is_aborted_with_the_reason(pair):
 
 def test_reject_sampling_equals_the_in_process_core(pair, target_lm):
     """Method reject over the nodes (drafter distributions uploaded as float32) commits what
-    decoding.generate() commits in one process with the same seeds (both node seeds are 0)."""
-    from wisv_ros.decoding import Drafter, Method, Verifier, generate
+    rounds.generate() commits in one process with the same seeds (both node seeds are 0)."""
+    from wisv_ros.sd.drafting import Drafter
+    from wisv_ros.sd.verification import Method, Verifier
+    from wisv_ros.sd.rounds import generate
 
     n, k, temperature = 40, 4, 1.0
     drafter_lm = CausalLM(load_model(DRAFTER)[0])
@@ -520,15 +522,17 @@ def test_goals_are_rejected_when_the_drafter_cannot_load(ros, tmp_path):
 
 def test_wisv_head_over_sh_equals_the_in_process_core(ros, target_lm, tmp_path):
     """The node graph with an ONNX head (SH: hiddens fetched at the mismatches) commits exactly what
-    decoding.generate() commits in one process with the same head and the same float16 hiddens."""
-    import dataclasses
+    rounds.generate() commits in one process with the same head and the same float16 hiddens."""
 
     import numpy as np
     import torch
 
-    from wisv_ros.decoding import Drafter, Method, Verifier, generate
-    from wisv_ros.head import DecisionHead, OnnxHead, export_onnx, make_judge
-    from wisv_ros.link import SCENARIOS
+    from wisv_ros.sd.drafting import Drafter
+    from wisv_ros.sd.verification import Method, Verifier
+    from wisv_ros.sd.rounds import generate
+    from wisv_ros.wisv.head_training import DecisionHead, export_onnx
+    from wisv_ros.wisv.head import OnnxHead, make_judge
+    from wisv_ros.link.channel import SCENARIOS
 
     torch.manual_seed(0)
     head = DecisionHead(32, 32, hidden=16).eval()
@@ -538,9 +542,8 @@ def test_wisv_head_over_sh_equals_the_in_process_core(ros, target_lm, tmp_path):
     export_onnx(head, path)
     judge = make_judge(OnnxHead(path), lambda: SCENARIOS["20mbps_50ms"])  # the node's default_channel
 
-    def wire_judge(block, positions, target_hidden):  # the drafter sends float16 hiddens
-        wired = dataclasses.replace(block, hidden=block.hidden.astype(np.float16).astype(np.float32))
-        return judge(wired, positions, target_hidden)
+    def wire_judge(drafter_hidden, positions, target_hidden):  # the drafter sends float16 hiddens
+        return judge(drafter_hidden.astype(np.float16).astype(np.float32), positions, target_hidden)
 
     n, k, tau = 40, 4, 0.5
     drafter_lm = CausalLM(load_model(DRAFTER)[0])
@@ -603,9 +606,9 @@ def test_copy_mode_on_the_edge_is_lossless_and_saves_round_trips(ros, target_lm,
         r = out.result
         assert list(r.token_ids) == reference(target_lm, n)
         assert out.feedback_ids() == list(r.token_ids)
-        copies = [m for m in p.stats.msgs if m.request_id == request_id(run) and m.copy_mode]
+        copies = [m for m in p.stats.msgs if m.request_id == request_id(run) and m.copy_round]
         assert r.copy_rounds > 0 and r.copy_rounds == len(copies), p.logs()
-        assert r.copied_tokens == sum(m.committed for m in copies) > 0
+        assert r.copy_committed == sum(m.committed for m in copies) > 0
         assert r.edge_time_s > 0 and r.round_trip_s > r.edge_time_s and r.draft_time_s > 0
         # Rejection SD gets copy rounds too (sampled acceptance, exact: test_copying).
         out = p.start_goal(max_new_tokens=n, k=4, method="reject", temperature=1.0).outcome()

@@ -1,4 +1,4 @@
-"""Tests for wisv_ros.probe: copy labels, prompts, collection, probe training, layer choice, export."""
+"""Tests for wisv_ros.switchsd.probe_training: copy labels, prompts, collection, probe training, layer choice, export."""
 from __future__ import annotations
 
 import json
@@ -7,14 +7,16 @@ import numpy as np
 import pytest
 import torch
 
-from wisv_ros import models
+from wisv_ros.sd import models
 from wisv_ros.cli.probe import main as probe_cli
-from wisv_ros.decoding import generate_target_only
-from wisv_ros.lm import CausalLM
-from wisv_ros.probe import (PROMPT_KINDS, CopyProbe, LayerResult, RepetitionPrompt, best_f1_threshold,
-                            build_repetition_prompts, collect_probe_data, copy_labels, evaluate, feature_key,
-                            load_probe, load_probe_data, save_probe, select_layer, split_by_source, train_layers,
-                            train_probe)
+from wisv_ros.sd.rounds import generate_target_only
+from wisv_ros.sd.lm import CausalLM
+from wisv_ros.switchsd.probe_training import (
+    PROMPT_KINDS, LayerResult, RepetitionPrompt, best_f1_threshold, build_repetition_prompts,
+    collect_probe_data, copy_labels, evaluate, feature_key, load_probe_data, save_probe, select_layer,
+    split_by_source, train_layers, train_probe,
+)
+from wisv_ros.switchsd.probe import CopyProbe, load_probe
 
 torch.set_num_threads(1)
 
@@ -135,7 +137,7 @@ def test_collect_tiny_writes_aligned_shards_and_resumes(tmp_path):
     index = collect_probe_data(lm, prompts[:2], CAPTURE_LAYERS, CAPTURE_KINDS, max_new_tokens=30, out_folder=out)
     assert [r["id"] for r in index] == ["p0", "p1"]
     ref_lm = CausalLM(*models.load_model(TINY),
-                      capture=[(l, k) for l in CAPTURE_LAYERS for k in CAPTURE_KINDS])
+                      capture=[(layer, k) for layer in CAPTURE_LAYERS for k in CAPTURE_KINDS])
     ones = 0
     for row, p in zip(index, prompts):
         assert row["prompt_ids"] == p.prompt and row["n_prompt"] == len(p.prompt)
@@ -248,8 +250,8 @@ def write_synthetic_folder(folder, informative=(2, "post_attn"), d=12, n_prompts
             n = 40
             informative_x = rng.standard_normal((n, d))
             labels = (informative_x @ u > 0).astype(np.int8)
-            arrays = {feature_key(l, k): (informative_x if (l, k) == informative else rng.standard_normal((n, d)))
-                      .astype(np.float16) for l in layers for k in kinds}
+            arrays = {feature_key(ly, k): (informative_x if (ly, k) == informative else rng.standard_normal((n, d)))
+                      .astype(np.float16) for ly in layers for k in kinds}
             shard = f"shards/{i:05d}.npz"
             np.savez(folder / shard, labels=labels, positions=np.arange(n, dtype=np.int32), **arrays)
             f.write(json.dumps({"id": f"q{i}", "kind": "synthetic", "source": f"src{i // 2}", "shard": shard,
@@ -279,7 +281,8 @@ def test_layer_selection_picks_the_informative_layer(tmp_path):
 
 def test_select_layer_breaks_ties_by_auc_then_lower_layer():
     w = np.zeros(2, np.float32)
-    r = lambda layer, f1, auc: LayerResult(layer, "post_attn", w, 0.9, auc, f1, 0.5, 10, 10, 0.5)
+    def r(layer, f1, auc):
+        return LayerResult(layer, "post_attn", w, 0.9, auc, f1, 0.5, 10, 10, 0.5)
     assert select_layer([r(1, 0.8, 0.9), r(5, 0.85, 0.7), r(3, 0.8, 0.99)]).layer == 5
     assert select_layer([r(6, 0.8, 0.9), r(2, 0.8, 0.9)]).layer == 2
     with pytest.raises(ValueError):
@@ -341,7 +344,7 @@ def test_collect_smollm2_real_prompts(tmp_path):
 
 
 def test_three_way_split_keeps_sources_apart(tmp_path):
-    from wisv_ros.probe import split_three_by_source
+    from wisv_ros.switchsd.probe_training import split_three_by_source
 
     write_synthetic_folder(tmp_path / "data")  # 12 prompts, 6 sources
     data = load_probe_data(tmp_path / "data")

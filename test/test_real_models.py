@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from wisv_ros import models
-from wisv_ros.datasets import load_gsm8k, load_humaneval
-from wisv_ros.decoding import Drafter, Verifier, generate, generate_target_only, same_vocabulary
-from wisv_ros.lm import CausalLM
+from wisv_ros.sd import models
+from wisv_ros.eval.datasets import load_gsm8k, load_humaneval
+from wisv_ros.sd.drafting import Drafter, same_vocabulary
+from wisv_ros.sd.verification import Verifier
+from wisv_ros.sd.rounds import generate, generate_target_only
+from wisv_ros.sd.lm import CausalLM
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Tests for wisv_ros.relabel (CSI-aware relabeling; numpy only, no ROS)."""
+"""Tests for wisv_ros.wisv.relabel (CSI-aware relabeling; numpy only, no ROS)."""
 from __future__ import annotations
 
 import math
@@ -6,19 +6,10 @@ import math
 import numpy as np
 import pytest
 
-from wisv_ros.link import CHANNEL_FEATURES, SCENARIOS, ChannelState, ChannelTrace, WireFormat
-from wisv_ros.relabel import (
-    ChannelDistribution,
-    Episode,
-    RelabelConfig,
-    channel_quality,
-    make_instances,
-    make_instances_no_csi,
-    relabel,
-    repair_budget,
-    smoothed_importance,
-    soft_policy,
-    threshold,
+from wisv_ros.link.channel import CHANNEL_FEATURES, SCENARIOS, ChannelState, ChannelTrace, WireFormat
+from wisv_ros.wisv.relabel import (
+    ChannelDistribution, Episode, RelabelConfig, channel_quality, make_instances, make_instances_no_csi,
+    relabel, repair_budget, smoothed_importance, soft_policy, threshold,
 )
 
 FMT = WireFormat(hidden_dim=2048)

@@ -41,7 +41,7 @@ def test_select_tau_on_smollm2_and_gemma(tmp_path):
     """Two held-out problems, a random head: runs, reports, and writes the pick into the file."""
     import torch
 
-    from wisv_ros.head import DecisionHead, export_onnx
+    from wisv_ros.wisv.head_training import DecisionHead, export_onnx
 
     torch.manual_seed(0)
     head_path = tmp_path / "head.onnx"

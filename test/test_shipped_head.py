@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from wisv_ros.cli.train_head import episodes_from_traces, main as train_main
-from wisv_ros.head import OnnxHead, sidecar_path
-from wisv_ros.link import SCENARIOS
-from wisv_ros.models import DEFAULT_DRAFTER, DEFAULT_TARGET
+from wisv_ros.wisv.head import OnnxHead, sidecar_path
+from wisv_ros.link.channel import SCENARIOS
+from wisv_ros.sd.models import DEFAULT_DRAFTER, DEFAULT_TARGET
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADS = {"default.onnx": True, "default_no_csi.onnx": False}  # file -> trained with CSI relabeling

@@ -15,7 +15,7 @@ pytest.importorskip("rclpy")
 def test_system_bench_runs_the_graph_and_accounts_the_link(tmp_path):
     import torch
 
-    from wisv_ros.head import DecisionHead, export_onnx
+    from wisv_ros.wisv.head_training import DecisionHead, export_onnx
 
     torch.manual_seed(0)
     head = tmp_path / "head.onnx"
@@ -64,12 +64,12 @@ def test_baselines_run_only_what_is_asked(monkeypatch):
     from types import SimpleNamespace
 
     from wisv_ros.cli import system_bench
-    from wisv_ros import decoding
+    from wisv_ros.sd import rounds
 
     def no_sd(*a, **k):
         raise AssertionError("co-located SD ran although only target_stream was asked for")
 
-    monkeypatch.setattr(decoding, "generate", no_sd)
+    monkeypatch.setattr(rounds, "generate", no_sd)
     args = SimpleNamespace(threads=1, target="tiny-random:0:64", drafter="tiny-random:0:64:0.05", target_dtype="float32",
                            k=[4], max_new_tokens=12, min_confidence=0.0)
     rows = system_bench.run_baselines([("5 9 12 3", None)], ["direct", "20mbps_50ms"], args, ("target_stream",))

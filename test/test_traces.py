@@ -6,13 +6,12 @@ import json
 import numpy as np
 import pytest
 
-from wisv_ros import models
-from wisv_ros.datasets import generate_gsm_symbolic
-from wisv_ros.decoding import generate_target_only
-from wisv_ros.lm import CausalLM
+from wisv_ros.sd import models
+from wisv_ros.eval.datasets import generate_gsm_symbolic
+from wisv_ros.sd.rounds import generate_target_only
+from wisv_ros.sd.lm import CausalLM
 from wisv_ros.cli.traces import main as traces_cli
-from wisv_ros.traces import (_continue_batch, _continue_shared, _shared_prefix_ok, answer_complete, bench_labelling,
-                             collect_traces, label_mismatches, load_traces)
+from wisv_ros.wisv.traces import _continue_batch, _continue_shared, _shared_prefix_ok, answer_complete, bench_labelling, collect_traces, label_mismatches, load_traces
 
 
 @pytest.fixture(scope="module")
@@ -159,8 +158,8 @@ def test_shared_prefix_only_within_a_sliding_window(pair):
 def test_train_head_cli_on_synthetic_traces(tmp_path, capsys):
     """traces folder -> relabel -> train -> ONNX with sidecar, loadable by the verifier's runtime."""
     from wisv_ros.cli.train_head import main as train_main
-    from wisv_ros.head import OnnxHead, sidecar_path
-    from wisv_ros.traces import TraceWriter
+    from wisv_ros.wisv.head import OnnxHead, sidecar_path
+    from wisv_ros.wisv.traces import TraceWriter
 
     rng = np.random.default_rng(0)
     d_d, d_t = 6, 10

@@ -1,4 +1,4 @@
-"""numpy <-> message tensor fields (wisv_ros.wire), without rclpy and with the generated messages."""
+"""numpy <-> message tensor fields (wisv_ros.interfaces.wire), without rclpy and with the generated messages."""
 from __future__ import annotations
 
 import types
@@ -6,17 +6,7 @@ import types
 import numpy as np
 import pytest
 
-from wisv_ros.wire import (
-    WireError,
-    decode_array,
-    encode_array,
-    fill_hidden,
-    fill_tensor,
-    is_empty,
-    read_hidden,
-    read_tensor,
-    text_to_ids,
-)
+from wisv_ros.interfaces.wire import WireError, decode_array, encode_array, fill_hidden, fill_tensor, is_empty, read_hidden, read_tensor, text_to_ids
 
 
 def blank(hidden: bool = True):

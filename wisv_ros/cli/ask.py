@@ -165,9 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
     from rclpy.signals import SignalHandlerOptions
 
-    from ..metrics import format_table
-    from ..msg import ChannelState
-    from ..nodes.client import GenerateClient, spin_in_background
+    from wisv_ros.sd.metrics import format_table
+    from wisv_ros.msg import ChannelState
+    from wisv_ros.nodes.client import GenerateClient, spin_in_background
 
     # No rclpy signal handler: Ctrl-C raises KeyboardInterrupt here while the context stays up,
     # so that the running goal can still be canceled.

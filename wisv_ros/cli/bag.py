@@ -5,7 +5,7 @@
     python -m wisv_ros.cli.bag info BAG
     python -m wisv_ros.cli.bag reverify BAG --target MODEL [--target-dtype D] [--head PATH] [--csv F]
 
-Bags are rosbag2 folders (metadata version 9, mcap storage; ``wisv_ros.bags``) that a robot's
+Bags are rosbag2 folders (metadata version 9, mcap storage; ``wisv_ros.interfaces.bags``) that a robot's
 ``ros2 bag info`` / ``ros2 bag play`` read. ``info`` and ``reverify`` need no ROS; ``record`` and
 ``replay`` are rclpy nodes (one SingleThreadedExecutor; callbacks never block).
 
@@ -46,8 +46,8 @@ import time
 from bisect import bisect_right
 from pathlib import Path
 
-from ..bags import BagError, BagWriter, QosSpec, open_bag, type_hash, typestore
-from ..models import WEIGHT_DTYPES, resolve_dtype
+from wisv_ros.interfaces.bags import BagError, BagWriter, QosSpec, open_bag, type_hash
+from wisv_ros.sd.models import WEIGHT_DTYPES, resolve_dtype
 
 RECORD_DEPTH = 1000  # keep-last depth of the recorder's subscriptions
 REPLAY_MIN_DEPTH = 10  # keep-last depth of replay publishers when the bag records none (or 0)
@@ -235,7 +235,7 @@ def parse_remaps(rules: list[str], topics: list[str]) -> dict[str, str]:
 def _replay_qos(specs):
     from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy
 
-    from ..nodes.common import RELIABLE_QOS
+    from wisv_ros.nodes.common import RELIABLE_QOS
 
     if not specs:
         return RELIABLE_QOS
@@ -385,13 +385,14 @@ def _reverify(args) -> int:
     import numpy as np
     import torch
 
-    from ..decoding import DraftBlock as CoreBlock
-    from ..decoding import Method, Verifier
-    from ..link import SCENARIOS
-    from ..link import ChannelState as LinkChannel
-    from ..lm import CausalLM
-    from ..models import load_model
-    from ..wire import WireError, is_empty, read_hidden, read_tensor
+    from wisv_ros.interfaces.convert import read_block
+    from wisv_ros.interfaces.wire import WireError, read_hidden
+    from wisv_ros.link.channel import SCENARIOS
+    from wisv_ros.link.channel import ChannelState as LinkChannel
+    from wisv_ros.sd.lm import CausalLM
+    from wisv_ros.sd.models import load_model
+    from wisv_ros.sd.rounds import EdgeSessions
+    from wisv_ros.sd.verification import Method
 
     if args.default_channel not in SCENARIOS:
         raise BagError(f"--default-channel {args.default_channel}: not one of {', '.join(SCENARIOS)}")
@@ -402,7 +403,7 @@ def _reverify(args) -> int:
     channel_now: list = [SCENARIOS[args.default_channel]]
     head_judge = None
     if args.head:
-        from ..head import OnnxHead, make_judge
+        from wisv_ros.wisv.head import OnnxHead, make_judge
 
         head = OnnxHead(args.head)
         if head.d_target != lm.hidden_size:
@@ -430,8 +431,20 @@ def _reverify(args) -> int:
                     pass
         channel_times = [t for t, _ in channels]
         by_request: dict[str, RequestReport] = {}
-        sessions: dict[str, object] = {}  # request -> its core Verifier
+        # The edge side of the round protocol, as verifier_node runs it (no copy rounds: a recorded
+        # verdict's copied tokens are compared as recorded, not re-run).
+        edge = EdgeSessions(lm, method=Method.parse(args.method), judge=head_judge, seed=args.seed)
         seen: set[tuple[str, int]] = set()
+
+        def recorded_hiddens(req, positions):  # SH: the hiddens the drafter sent back, as recorded
+            reply = replies.get((req.request_id, req.round_id))
+            if reply is None:
+                return None
+            h, got = read_hidden(reply.hidden, "hidden_reply.hidden", positions_below=len(req.token_ids))
+            full = np.zeros((len(req.token_ids), h.shape[1]), np.float32)
+            full[got] = h
+            return full
+
         for t_ns, b in blocks:
             rid, rnd = b.request_id, int(b.round_id)
             rep = by_request.setdefault(rid, RequestReport(ns, rid))
@@ -448,62 +461,31 @@ def _reverify(args) -> int:
                 continue
             rep.rounds += 1
             rep.committed += len(rec.committed_ids)
-            method = Method.parse(b.method or args.method)
-            context = [int(i) for i in b.context_ids]
-            if context:
-                v = Verifier(lm, method, temperature=float(b.temperature) or 1.0, tau=float(b.tau),
-                             judge=None, seed=args.seed)
-                v.begin(context)
-                sessions[rid] = v
-            elif rid not in sessions:
+            if len(b.context_ids) == 0 and edge.context(rid) is None:
                 rep.skip("context not recorded")
                 continue
-            v = sessions[rid]
-            if int(b.prefix_length) != len(v.context):
-                rep.skip("prefix gap")
-                continue
-            draft = [int(i) for i in b.token_ids]
-            k = len(draft)
-            proto = {0: "ids", 1: "fh", 2: "sh"}.get(int(b.protocol), "?")
             try:
-                hidden = None
-                if proto == "fh":
-                    hidden, _ = read_hidden(b.hidden, "hidden", n=k, positions_below=k)
-                elif proto == "sh" and (rid, rnd) in replies:
-                    reply = replies[(rid, rnd)]
-                    h, positions = read_hidden(reply.hidden, "hidden_reply.hidden", positions_below=k)
-                    hidden = np.zeros((k, h.shape[1]), np.float32)
-                    hidden[positions] = h
-                probs = None
-                if method == Method.REJECT:
-                    probs = torch.from_numpy(read_tensor(b.draft_probs, "draft_probs", shape=[k, lm.vocab_size]).copy())
+                req = read_block(b, lm.vocab_size)
             except WireError as exc:
                 rep.skip(f"unreadable block ({exc})")
                 continue
+            before = list(req.context_ids) if req.context_ids else list(edge.context(rid))
+            if req.prefix_length != len(before):
+                rep.skip("prefix gap")
+                continue
             i = bisect_right(channel_times, t_ns)
             channel_now[0] = channels[i - 1][1] if i else SCENARIOS[args.default_channel]
-            block = CoreBlock(token_ids=draft, hidden=hidden, probs=probs, prefix_length=int(b.prefix_length))
-
-            def judge(blk, positions, target_hidden, _proto=proto):
-                # As verifier_node: no head, or no drafter hiddens -> every mismatch is rejected.
-                if head_judge is None or blk.hidden is None:
-                    return torch.ones(len(positions))
-                return head_judge(blk, positions, target_hidden)
-
-            v.method, v.tau, v.judge = method, float(b.tau), judge
-            if method == Method.REJECT:
-                v.temperature = float(b.temperature)
-            before = list(v.context)
-            got = v.verify(block)
-            # SwitchSD copy rounds the verifier ran after the block end committed_ids (copied_count of
-            # them); they are not re-run here: the block's own verdict is what is compared.
+            req.copy_budget = 0
+            got = edge.handle(req, fetch_hidden=recorded_hiddens)
+            if got.error:
+                rep.skip(f"refused ({got.error})")
+                continue
             recorded_all = [int(i) for i in rec.committed_ids]
-            copied = int(getattr(rec, "copied_count", 0) or 0)
-            if copied:
-                rep.copied += copied
+            copied = int(rec.copy_committed)
+            rep.copied += copied
             own = recorded_all[: len(recorded_all) - copied]
-            recorded = (own, int(rec.accepted_count), int(rec.correction_id), int(rec.committed_length) - copied)
-            mine = (list(got.committed_ids), got.accepted_count, got.correction_id, len(v.context))
+            recorded = (own, int(rec.accepted), int(rec.correction_id), int(rec.committed_length) - copied)
+            mine = (list(got.committed_ids), got.accepted, got.correction_id, got.committed_length)
             rep.compared += 1
             if mine == recorded:
                 rep.equal += 1
@@ -511,14 +493,14 @@ def _reverify(args) -> int:
                 rep.first_diff = (f"round {rnd}: recorded accepted {recorded[1]} committed {recorded[0]}, "
                                   f"re-computed accepted {mine[1]} committed {mine[0]}")
             # Later rounds follow the recording: the drafter drafted after the recorded commit.
-            v.context = before + recorded_all
+            edge.rewind(rid, before + recorded_all)
         reports.extend(by_request.values())
 
     _print_reverify(reports)
     if args.csv:
         with open(args.csv, "w", newline="", encoding="utf-8") as f:
             w = csv.writer(f)
-            w.writerow(["namespace", "request_id", "rounds", "aal", "compared", "equal", "differ", "copied_tokens",
+            w.writerow(["namespace", "request_id", "rounds", "aal", "compared", "equal", "differ", "copy_committed",
                         "skipped", "first_diff"])
             for r in reports:
                 w.writerow([r.namespace, r.request_id, r.rounds, f"{r.aal:.4f}", r.compared, r.equal,

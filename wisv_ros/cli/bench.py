@@ -21,10 +21,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..datasets import build_prompt, load_gsm8k, load_humaneval
-from ..decoding import Method, generate, generate_target_only
-from ..metrics import DecodeStats, format_table
-from .common import PeakRSS, add_model_args, check_args, load_pair, make_halves, set_threads
+from wisv_ros.eval.datasets import build_prompt, load_gsm8k, load_humaneval
+from wisv_ros.sd.verification import Method
+from wisv_ros.sd.rounds import generate, generate_target_only
+from wisv_ros.sd.metrics import DecodeStats, format_table
+from wisv_ros.cli.common import PeakRSS, add_model_args, check_args, load_pair, make_halves, set_threads
 
 COLUMNS = ["dataset", "method", "k", "prompts", "tokens", "rounds", "aal", "acceptance", "tokens_per_s", "speedup", "identical", "peak_rss_mb"]
 
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     datasets = args.dataset or ["humaneval", "gsm8k"]
     target, drafter = load_pair(args)
     if Method.REJECT in methods:
-        from ..decoding import same_vocabulary
+        from wisv_ros.sd.drafting import same_vocabulary
 
         if not same_vocabulary(drafter.tokenizer, target.tokenizer):
             print(f"[bench] skipping reject: {args.drafter} and {args.target} have different vocabularies", file=sys.stderr)

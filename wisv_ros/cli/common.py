@@ -7,15 +7,17 @@ import sys
 import threading
 import time
 
-from ..decoding import CopyConfig, Drafter, Method, Verifier
-from ..lm import CausalLM
-from ..models import DEFAULT_DRAFTER, DEFAULT_TARGET, REGISTRY, add_dtype_args, load_model
+from wisv_ros.switchsd.copying import CopyConfig
+from wisv_ros.sd.drafting import Drafter
+from wisv_ros.sd.verification import Method, Verifier
+from wisv_ros.sd.lm import CausalLM
+from wisv_ros.sd.models import DEFAULT_DRAFTER, DEFAULT_TARGET, REGISTRY, add_dtype_args, load_model
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     names = ", ".join(REGISTRY)
     p.add_argument("--drafter", default=DEFAULT_DRAFTER, help=f"drafter model: {names}, a HF folder or a .gguf file (default %(default)s)")
-    p.add_argument("--target", default=DEFAULT_TARGET, help=f"target model, same choices (default %(default)s)")
+    p.add_argument("--target", default=DEFAULT_TARGET, help="target model, same choices (default %(default)s)")
     p.add_argument("--k", type=int, default=8, help="draft tokens per round, K (default %(default)s)")
     p.add_argument("--min-confidence", type=float, default=0.6,
                    help="drafter ends a block after a token it is less sure of than this (0 = always K; default %(default)s)")
@@ -80,7 +82,7 @@ def load_pair(args: argparse.Namespace, need_drafter: bool = True) -> tuple[Caus
     t0 = time.perf_counter()
     capture = ()
     if getattr(args, "copy", "off") == "probe":
-        from ..probe import load_probe
+        from wisv_ros.switchsd.probe import load_probe
 
         args.loaded_probe = load_probe(args.probe)
         capture = [(args.loaded_probe.layer, args.loaded_probe.kind)]
@@ -106,8 +108,8 @@ def make_halves(method: Method, target: CausalLM, drafter: CausalLM, args: argpa
     if method == Method.WISV:
         if not getattr(args, "head", None):
             raise SystemExit("error: method wisv needs --head <decision head .onnx> (train one with python -m wisv_ros.cli.train_head)")
-        from ..head import OnnxHead, make_judge
-        from ..link import scenario
+        from wisv_ros.wisv.head import OnnxHead, make_judge
+        from wisv_ros.link.channel import scenario
 
         channel = scenario(args.channel)
         judge = make_judge(OnnxHead(args.head), lambda: channel)

@@ -53,12 +53,15 @@ from typing import Any, Callable
 import numpy as np
 from tqdm import tqdm
 
-from ..decoding import CopyConfig, Drafter, Generation, Method, Verifier, generate, generate_target_only
-from ..lm import CausalLM
-from ..metrics import DecodeStats, format_table
-from ..models import DEFAULT_DRAFTER, DEFAULT_TARGET, REGISTRY, add_dtype_args, load_model
-from .bench import dataset_prompts
-from .common import set_threads
+from wisv_ros.switchsd.copying import CopyConfig
+from wisv_ros.sd.drafting import Drafter
+from wisv_ros.sd.rounds import Generation, generate, generate_target_only
+from wisv_ros.sd.verification import Method, Verifier
+from wisv_ros.sd.lm import CausalLM
+from wisv_ros.sd.metrics import DecodeStats, format_table
+from wisv_ros.sd.models import DEFAULT_DRAFTER, DEFAULT_TARGET, REGISTRY, add_dtype_args, load_model
+from wisv_ros.cli.bench import dataset_prompts
+from wisv_ros.cli.common import set_threads
 
 SYSTEMS = ("target_only", "greedy", "greedy+ngram", "greedy+probe")
 DATASETS = ("humaneval", "gsm8k")
@@ -261,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--min-confidence must be in [0, 1) (got {args.min_confidence})")
     if not Path(args.probe).is_file():
         p.error(f"--probe {args.probe}: no such file")
-    from ..probe import load_probe
+    from wisv_ros.switchsd.probe import load_probe
 
     probe = load_probe(args.probe)
     config = {key: getattr(args, key) for key in _CONFIG_KEYS if key != "probe_sha256"}

@@ -12,9 +12,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..decoding import Method, generate, generate_target_only
-from ..metrics import format_table
-from .common import TextStream, add_model_args, check_args, load_pair, make_halves, set_threads
+from wisv_ros.sd.verification import Method
+from wisv_ros.sd.rounds import generate, generate_target_only
+from wisv_ros.sd.metrics import format_table
+from wisv_ros.cli.common import TextStream, add_model_args, check_args, load_pair, make_halves, set_threads
 
 DEFAULT_PROMPT = '''import math
 

@@ -6,7 +6,7 @@
     python -m wisv_ros.cli.launch system --dry-run                      # print the command lines
 
 The nodes, parameter files and launch arguments (``name:=value``, as for ``ros2 launch``) come
-from :mod:`wisv_ros.graph`, the description ``launch/*.launch.py`` read too. Each node runs as
+from :mod:`wisv_ros.graph.description`, the description ``launch/*.launch.py`` read too. Each node runs as
 ``python -m wisv_ros.nodes.<executable> --ros-args -r __node:=... -r __ns:=... --params-file ...
 -p ...``; ``--set <node>.<param>:=<value>`` adds ``-p <param>:=<value>`` to one node (``<node>``
 is a key -- drafter, verifier, monitor_robot, monitor_edge, emulator -- or a full name such as
@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 
-from .. import graph
+from wisv_ros.graph import description as graph
 
 __all__ = ["Launcher", "build_commands", "main", "parse_sets"]
 

@@ -9,7 +9,7 @@ import argparse
 import sys
 import time
 
-from ..models import REGISTRY, MissingModelError, cache_dir, resolve
+from wisv_ros.sd.models import REGISTRY, MissingModelError, cache_dir, resolve
 
 
 def main(argv: list[str] | None = None) -> int:

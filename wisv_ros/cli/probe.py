@@ -34,11 +34,14 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from ..lm import LAYER_KINDS, CausalLM
-from ..models import DEFAULT_TARGET, REGISTRY, add_dtype_args, load_model
-from ..probe import (PROMPT_KINDS, build_repetition_prompts, collect_probe_data, evaluate, load_probe, load_probe_data, save_probe,
-                     split_by_source, split_three_by_source, train_layers)
-from .common import set_threads
+from wisv_ros.sd.lm import LAYER_KINDS, CausalLM
+from wisv_ros.sd.models import DEFAULT_TARGET, REGISTRY, add_dtype_args, load_model
+from wisv_ros.switchsd.probe_training import (
+    PROMPT_KINDS, build_repetition_prompts, collect_probe_data, evaluate, load_probe_data, save_probe,
+    split_by_source, split_three_by_source, train_layers,
+)
+from wisv_ros.switchsd.probe import load_probe
+from wisv_ros.cli.common import set_threads
 
 
 def _int_list(text: str) -> list[int]:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .common import add_model_args, check_args, load_pair, make_halves, parse_shard, set_threads
+from wisv_ros.cli.common import add_model_args, check_args, load_pair, make_halves, parse_shard, set_threads
 
 _TAU_LINE = re.compile(r"^(?P<indent>\s*)tau:\s*(?P<value>[^#\n]*?)(?P<comment>\s*#.*)?$", re.MULTILINE)
 
@@ -106,9 +106,10 @@ def _check_config(out: Path, config: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..datasets import build_prompt, generate_gsm_symbolic, gsm8k_correct
-    from ..decoding import Method, generate, generate_target_only
-    from ..traces import answer_complete
+    from wisv_ros.eval.datasets import build_prompt, generate_gsm_symbolic, gsm8k_correct
+    from wisv_ros.sd.verification import Method
+    from wisv_ros.sd.rounds import generate, generate_target_only
+    from wisv_ros.wisv.traces import answer_complete
 
     p = argparse.ArgumentParser(prog="python -m wisv_ros.cli.select_tau", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

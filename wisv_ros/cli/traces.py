@@ -21,9 +21,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..datasets import generate_gsm_symbolic
-from ..traces import bench_labelling, collect_traces, label_mismatches, load_traces
-from .common import add_model_args, check_args, load_pair, parse_shard, set_threads
+from wisv_ros.eval.datasets import generate_gsm_symbolic
+from wisv_ros.wisv.traces import bench_labelling, collect_traces, label_mismatches, load_traces
+from wisv_ros.cli.common import add_model_args, check_args, load_pair, parse_shard, set_threads
 
 
 def main(argv: list[str] | None = None) -> int:

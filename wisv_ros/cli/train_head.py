@@ -30,10 +30,11 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from ..head import export_onnx, roc_auc, train_head
-from ..link import SCENARIOS, ChannelTrace, WireFormat
-from ..relabel import ChannelDistribution, Episode, RelabelConfig, make_instances, make_instances_no_csi
-from ..traces import load_traces
+from wisv_ros.wisv.head_training import export_onnx, train_head
+from wisv_ros.eval.scoring import roc_auc
+from wisv_ros.link.channel import SCENARIOS, ChannelTrace, WireFormat
+from wisv_ros.wisv.relabel import ChannelDistribution, Episode, RelabelConfig, make_instances, make_instances_no_csi
+from wisv_ros.wisv.traces import load_traces
 
 
 def episodes_from_traces(folders: list[Path]) -> tuple[list[Episode], list[str], dict]:

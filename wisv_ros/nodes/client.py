@@ -21,7 +21,7 @@ from rclpy.action import ActionClient
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.node import Node
 
-from .common import FEEDBACK_QOS
+from wisv_ros.nodes.common import FEEDBACK_QOS
 
 __all__ = ["GenerateClient", "GoalRun", "Outcome", "spin_in_background"]
 
@@ -132,7 +132,7 @@ class GenerateClient:
     """An action client of ``wisv_ros/action/Generate`` on ``node``."""
 
     def __init__(self, node: Node, action_name: str = "generate"):
-        from ..action import Generate
+        from wisv_ros.action import Generate
 
         self._Generate = Generate
         self.client = _ActionClient(node, Generate, action_name, feedback_sub_qos_profile=FEEDBACK_QOS)

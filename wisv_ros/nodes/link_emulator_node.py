@@ -1,7 +1,7 @@
 """link_emulator_node: relays robot <-> edge topics through an emulated wireless link.
 
 The kernel here has no netem, so the link is emulated in user space (model:
-:mod:`wisv_ros.emulator`). The node subscribes to every listed topic on one side with
+:mod:`wisv_ros.link.emulator`). The node subscribes to every listed topic on one side with
 ``raw=True`` (the serialized CDR bytes, never deserialized), asks :class:`LinkEmulator` when
 those bytes would arrive on the other side, and publishes them there at that time:
 
@@ -20,7 +20,7 @@ measure them. (Relaying the monitor's ``channel_state`` to the edge is just anot
 
 Parameters (all read at start, except ``trace_origin_unix_s``):
 
-- ``scenario`` (string, default ``500mbps_5ms``): a name from ``wisv_ros.link.SCENARIOS``.
+- ``scenario`` (string, default ``500mbps_5ms``): a name from ``wisv_ros.link.channel.SCENARIOS``.
 - ``trace_file`` (string, default empty): CSV/YAML channel trace (``ChannelTrace.load``); when
   set it replaces ``scenario`` and the overrides are not allowed.
 - ``rate_bps`` (float, 0 = from the scenario), ``per`` and ``rtt_s`` (float, < 0 = from the
@@ -50,8 +50,8 @@ from functools import partial
 from rcl_interfaces.msg import SetParametersResult
 from rclpy.node import Node
 
-from wisv_ros.emulator import DeliveryQueue, Direction, LinkEmulator
-from wisv_ros.link import SCENARIOS, ChannelState, ChannelTrace, scenario
+from wisv_ros.link.emulator import DeliveryQueue, Direction, LinkEmulator
+from wisv_ros.link.channel import SCENARIOS, ChannelState, ChannelTrace, scenario
 from wisv_ros.nodes.common import check_choice, declare, reliable_qos, run_node
 from wisv_ros.nodes.link_monitor_node import _received_monotonic, best_effort_qos
 
@@ -64,7 +64,7 @@ DEFAULT_UPLINK_TOPICS = [
     "link_probe:wisv_ros/msg/LinkProbe",
 ]
 # The link monitor's probes are best-effort: a probe that loses a packet is lost, which is how
-# the monitor measures PER (see wisv_ros.link_estimator).
+# the monitor measures PER (see wisv_ros.link.estimator).
 DEFAULT_BEST_EFFORT_TOPICS = ["link_probe", "link_probe_echo"]
 DEFAULT_DOWNLINK_TOPICS = [
     "verdict:wisv_ros/msg/Verdict",
@@ -104,7 +104,7 @@ class LinkEmulatorNode(Node):
     def __init__(self) -> None:
         super().__init__("link_emulator")
         p_scenario = declare(self, "scenario", "500mbps_5ms",
-                             "channel scenario name from wisv_ros.link.SCENARIOS",
+                             "channel scenario name from wisv_ros.link.channel.SCENARIOS",
                              choices=tuple(sorted(SCENARIOS)))
         p_trace = declare(self, "trace_file", "",
                           "CSV/YAML channel trace (t_s, rate_bps, per, rtt_s); replaces scenario")

@@ -5,7 +5,7 @@ One executable, two roles (parameter ``role``):
 - ``robot`` (default): every ``probe_period_s`` publishes a :class:`LinkProbe` on ``link_probe``,
   alternating a small (``small_probe_bytes`` of padding) and a large (``large_probe_bytes``)
   one; receives the echoes on ``link_probe_echo``; feeds send and echo times
-  (``time.monotonic()``) to :class:`wisv_ros.link_estimator.LinkEstimator`; every
+  (``time.monotonic()``) to :class:`wisv_ros.link.estimator.LinkEstimator`; every
   ``publish_period_s`` publishes the estimate on ``channel_state`` (source = this node's fully
   qualified name, samples = probe round trips used). Nothing is published before RTT, rate and
   PER all have a sample (one small and one large echo).
@@ -18,7 +18,7 @@ Start one per side, each in its namespace (e.g. ``-r __ns:=/robot`` and ``-r __n
 -- RTT includes the middleware's latency (a few ms here), the rate is the raw rate from
 loss-free large probes and includes the middleware's per-byte cost (so rates of hundreds of
 Mbit/s read low on loopback), PER comes from lost best-effort small probes (or, with
-``probe_qos: reliable``, from late ones) -- is documented in :mod:`wisv_ros.link_estimator`.
+``probe_qos: reliable``, from late ones) -- is documented in :mod:`wisv_ros.link.estimator`.
 The probes cost link capacity: a 64 kB large probe every 0.4 s is 1.3 Mbit/s, 6 % of a
 20 Mbit/s link.
 
@@ -48,7 +48,7 @@ from rclpy.node import Node
 from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy
 from rclpy.duration import Duration
 
-from wisv_ros.link_estimator import LinkEstimator, ProbeKind
+from wisv_ros.link.estimator import LinkEstimator, ProbeKind
 from wisv_ros.msg import ChannelState, LinkProbe
 from wisv_ros.nodes.common import check_choice, declare, reliable_qos, run_node
 

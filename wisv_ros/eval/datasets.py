@@ -584,3 +584,19 @@ def humaneval_pass(
             proc.wait()
             raise
         return proc.returncode == 0 and out.strip() == token.encode()
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The rows of a JSON-lines file of a data folder ([] if missing); a torn last line (an interrupted
+    run) is ignored."""
+    if not path.is_file():
+        return []
+    out = []
+    with path.open() as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    break  # a torn last line from an interrupted run: ignore it
+    return out

@@ -340,3 +340,23 @@ def _fp32_output_layer(model) -> None:
 
     model.set_output_embeddings(Float32Head())
     model.config.tie_word_embeddings = False
+
+
+def load_tokenizer(spec: str):
+    """The tokenizer of a model spec without loading (or converting) its weights.
+
+    The robot needs only the target's tokenizer: for a registry model it is read from the
+    converted folder if one exists, else straight from the GGUF file (no dequantisation).
+    """
+    from transformers import AutoTokenizer
+
+    if spec in REGISTRY:
+        converted = cache_dir() / "hf" / spec
+        if (converted / "tokenizer_config.json").is_file():
+            return AutoTokenizer.from_pretrained(converted)
+        gguf = REGISTRY[spec].locate(cache_dir())
+        return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if spec.endswith(".gguf"):
+        path = Path(spec).expanduser()
+        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(resolve(spec))

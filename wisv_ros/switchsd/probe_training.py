@@ -1,4 +1,4 @@
-"""SwitchSD copy probe: labels, data collection, per-layer linear probes, layer choice and export.
+"""SwitchSD copy probe training: labels, data collection, per-layer linear probes, layer choice and export.
 
 SwitchSD (SPEC "Training the copy probe") detects *copy mode* -- the target is repeating a span of its
 context -- with one bias-free linear probe on one decoder layer, ``p(j) = sigmoid(wᵀ H_j)``. The
@@ -29,7 +29,7 @@ On-disk format of a probe data folder (appends only, so an interrupted run resum
     shards/NNNNN.npz  one per prompt: ``L{layer}_{kind}`` [n_new, d] float16 (clipped to the float16
                     range), ``labels`` [n_new] int8, ``positions`` [n_new] int32 (index in prompt + answer)
 
-No rclpy here: the verifier node wraps :class:`CopyProbe`.
+No rclpy here. Runtime code never imports this module; the verifier loads ``switchsd.probe``.
 """
 from __future__ import annotations
 
@@ -42,11 +42,12 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 import torch
 
-from .datasets import Problem, load_humaneval
-from .decoding import encode_prompt, generate_target_only
-from .head import roc_auc
-from .lm import LAYER_KINDS, CausalLM
-from .traces import _read_jsonl  # the jsonl convention of the data folders (torn last line ignored)
+from wisv_ros.eval.datasets import Problem, load_humaneval, read_jsonl
+from wisv_ros.eval.scoring import roc_auc
+from wisv_ros.sd.drafting import encode_prompt
+from wisv_ros.sd.lm import LAYER_KINDS, CausalLM
+from wisv_ros.sd.rounds import generate_target_only
+from wisv_ros.switchsd.probe import SIDECAR_FORMAT, CopyProbe, _sidecar, _sigmoid, load_probe
 
 __all__ = [
     "PROMPT_KINDS",
@@ -71,7 +72,6 @@ __all__ = [
     "train_probe",
 ]
 
-SIDECAR_FORMAT = "wisv_copy_probe/1"
 _F16_MAX = float(np.finfo(np.float16).max)
 
 
@@ -321,7 +321,7 @@ def collect_probe_data(
                                  "use another output folder or the same settings")
     else:
         meta_path.write_text(json.dumps(meta, indent=1))
-    index = _read_jsonl(folder / "index.jsonl")
+    index = read_jsonl(folder / "index.jsonl")
     done = {row["id"] for row in index}
     if len({p.id for p in prompts}) != len(prompts):
         raise ValueError("prompt ids must be unique (collection resumes by id)")
@@ -396,7 +396,7 @@ def load_probe_data(folder: str | Path) -> ProbeData:
     if not meta_path.is_file():
         raise FileNotFoundError(f"{meta_path} missing: collect data first (python -m wisv_ros.cli.probe collect)")
     meta = json.loads(meta_path.read_text())
-    index = list({row["id"]: row for row in _read_jsonl(folder / "index.jsonl")}.values())
+    index = list({row["id"]: row for row in read_jsonl(folder / "index.jsonl")}.values())
     labels, owner = [], []
     for i, row in enumerate(index):
         with np.load(folder / row["shard"]) as z:
@@ -529,8 +529,6 @@ def best_f1_threshold(scores: np.ndarray, labels: np.ndarray) -> tuple[float, fl
     return round(float(f1.max()), 12), float(threshold)
 
 
-def _sigmoid(x: np.ndarray | float) -> np.ndarray | float:
-    return 1.0 / (1.0 + np.exp(-np.asarray(x, dtype=np.float64)))
 
 
 def evaluate(w: np.ndarray, X: np.ndarray, y: np.ndarray, threshold: float | None = None) -> dict[str, float]:
@@ -665,8 +663,6 @@ def train_layers(data: ProbeData, train_rows: np.ndarray, val_rows: np.ndarray, 
 # --------------------------------------------------------------------------- export
 
 
-def _sidecar(path: Path) -> Path:
-    return path.with_suffix(".json")
 
 
 def save_probe(path: str | Path, w: np.ndarray, layer: int, kind: str, threshold: float,
@@ -697,54 +693,5 @@ def save_probe(path: str | Path, w: np.ndarray, layer: int, kind: str, threshold
     return side
 
 
-@dataclasses.dataclass
-class CopyProbe:
-    """A trained copy probe on the hidden states of one (layer, kind) of the target.
-
-    ``prob(h) = sigmoid(wᵀh)`` on the raw captured hidden state (``Step.layers[(layer, kind)]``);
-    ``fires(h)`` is ``prob(h) >= threshold``. A row [d] gives a float / bool, a matrix [n, d] arrays.
-    """
-
-    w: np.ndarray  # [d] float32
-    layer: int
-    kind: str
-    threshold: float
-    meta: dict = dataclasses.field(default_factory=dict)
-
-    @property
-    def d_model(self) -> int:
-        return int(self.w.size)
-
-    def logit(self, hidden: Any) -> np.ndarray | float:
-        if isinstance(hidden, torch.Tensor):
-            hidden = hidden.detach().float().cpu().numpy()
-        h = np.asarray(hidden, dtype=np.float64)
-        if h.shape[-1] != self.d_model or h.ndim not in (1, 2):
-            raise ValueError(f"hidden must be [{self.d_model}] or [n, {self.d_model}], got {h.shape}")
-        z = h @ self.w.astype(np.float64)
-        return float(z) if h.ndim == 1 else z
-
-    def prob(self, hidden: Any) -> np.ndarray | float:
-        p = _sigmoid(self.logit(hidden))
-        return float(p) if np.ndim(p) == 0 else p
-
-    def fires(self, hidden: Any) -> np.ndarray | bool:
-        p = self.prob(hidden)
-        return bool(p >= self.threshold) if isinstance(p, float) else p >= self.threshold
 
 
-def load_probe(path: str | Path) -> CopyProbe:
-    """Read a probe written by :func:`save_probe` (the .npz and its JSON sidecar)."""
-    path = Path(path)
-    side = _sidecar(path)
-    if not path.is_file() or not side.is_file():
-        raise FileNotFoundError(f"copy probe needs {path} and {side}")
-    info = json.loads(side.read_text())
-    if info.get("format") != SIDECAR_FORMAT:
-        raise ValueError(f"{side}: format {info.get('format')!r}, expected {SIDECAR_FORMAT!r}")
-    with np.load(path) as z:
-        w = z["w"].astype(np.float32)
-    if w.size != info["d_model"]:
-        raise ValueError(f"{path}: w has {w.size} values, the sidecar says d_model={info['d_model']}")
-    meta = {k: v for k, v in info.items() if k not in ("format", "npz", "layer", "kind", "threshold", "d_model")}
-    return CopyProbe(w=w, layer=int(info["layer"]), kind=info["kind"], threshold=float(info["threshold"]), meta=meta)

@@ -1,4 +1,4 @@
-"""The WISV decision head: training (torch), ONNX export, inference (onnxruntime) and the judge hook.
+"""The WISV decision head: the module, its training (torch) and its export to ONNX (run by ``wisv.head``).
 
 The head maps one mismatch's input ``x = [h_D ; h_T ; c]`` (drafter hidden, target hidden, channel
 features of :meth:`link.ChannelState.features`) to a *rejection* probability (SPEC "One round",
@@ -16,7 +16,7 @@ Files written by :func:`export_onnx`:
 * ``<name>.json``: the sidecar, ``d_draft``, ``d_target``, ``channel_features`` and whatever the
   caller adds (models, training commands).
 
-No rclpy here: the verifier node wraps :class:`OnnxHead` and :func:`make_judge`.
+No rclpy here. Runtime code never imports this module (it pulls in torch.nn and tqdm).
 """
 from __future__ import annotations
 
@@ -27,32 +27,26 @@ import numbers
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .link import CHANNEL_FEATURES, ChannelState
+from wisv_ros.eval.scoring import roc_auc
+from wisv_ros.link.channel import CHANNEL_FEATURES
+from wisv_ros.wisv.head import N_CHANNEL, ONNX_INPUT, ONNX_OUTPUT, SIDECAR_FORMAT, sidecar_path
 
 __all__ = [
     "DecisionHead",
     "EpochStats",
-    "OnnxHead",
     "TrainHistory",
     "export_onnx",
-    "make_judge",
-    "roc_auc",
-    "sidecar_path",
     "train_head",
 ]
 
-N_CHANNEL = len(CHANNEL_FEATURES)
-ONNX_INPUT = "features"
-ONNX_OUTPUT = "reject_prob"
 ONNX_OPSET = 17
-SIDECAR_FORMAT = "wisv_decision_head/1"
 _STD_FLOOR = 1e-6  # a feature with a smaller training std (e.g. one channel only) is only centred
 
 
@@ -127,23 +121,6 @@ class DecisionHead(nn.Module):
 # --------------------------------------------------------------------------- training
 
 
-def roc_auc(scores: np.ndarray, labels: np.ndarray) -> float:
-    """Area under the ROC curve (Mann-Whitney U with average ranks for ties); NaN with one class.
-
-    >>> roc_auc(np.array([0.1, 0.4, 0.35, 0.8]), np.array([0, 0, 1, 1]))
-    0.75
-    """
-    scores = np.asarray(scores, dtype=np.float64).ravel()
-    labels = np.asarray(labels).ravel().astype(bool)
-    n_pos = int(labels.sum())
-    n_neg = labels.size - n_pos
-    if n_pos == 0 or n_neg == 0:
-        return math.nan
-    _, inverse, counts = np.unique(scores, return_inverse=True, return_counts=True)
-    upper = np.cumsum(counts)  # 1-based rank of the last element of each group of equal scores
-    avg_rank = upper - (counts - 1) / 2.0
-    rank_sum = avg_rank[inverse][labels].sum()
-    return float((rank_sum - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
 
 
 @dataclass(frozen=True)
@@ -320,9 +297,6 @@ def train_head(
 # --------------------------------------------------------------------------- ONNX export
 
 
-def sidecar_path(onnx_path: str | Path) -> Path:
-    """The JSON sidecar next to an ONNX head: ``head.onnx`` -> ``head.json``."""
-    return Path(onnx_path).with_suffix(".json")
 
 
 class _ProbabilityGraph(nn.Module):
@@ -390,124 +364,7 @@ def export_onnx(head: DecisionHead, path: str | Path, meta: dict[str, Any] | Non
 # --------------------------------------------------------------------------- inference
 
 
-def _default_providers() -> list[str]:
-    import onnxruntime as ort
-
-    available = ort.get_available_providers()
-    return (["CUDAExecutionProvider"] if "CUDAExecutionProvider" in available else []) + ["CPUExecutionProvider"]
 
 
-class OnnxHead:
-    """A decision head exported by :func:`export_onnx`, run with onnxruntime.
-
-    Args:
-        path: the ``.onnx`` file; its JSON sidecar (:func:`sidecar_path`) must sit next to it.
-        providers: onnxruntime execution providers; ``None`` = CUDA first when available, else CPU.
-        intra_op_threads: CPU threads of the session (the head is tiny: 1 avoids thread overhead).
-
-    Attributes: ``d_draft``, ``d_target``, ``meta`` (the sidecar), ``providers`` (in use).
-
-    Raises:
-        FileNotFoundError: the ONNX file or its sidecar is missing.
-        ValueError: the sidecar's channel feature layout differs from :data:`link.CHANNEL_FEATURES`
-            (the head was trained for another layout) or does not match the graph's input width.
-    """
-
-    def __init__(self, path: str | Path, providers: list[str] | None = None, *, intra_op_threads: int = 1) -> None:
-        import onnxruntime as ort
-
-        path = Path(path)
-        side = sidecar_path(path)
-        for p in (path, side):
-            if not p.is_file():
-                raise FileNotFoundError(f"decision head file missing: {p}")
-        self.meta: dict[str, Any] = json.loads(side.read_text(encoding="utf-8"))
-        missing = [k for k in ("d_draft", "d_target", "channel_features") if k not in self.meta]
-        if missing:
-            raise ValueError(f"{side}: sidecar lacks {', '.join(missing)}")
-        if list(self.meta["channel_features"]) != list(CHANNEL_FEATURES):
-            raise ValueError(
-                f"{side}: head trained on channel features {self.meta['channel_features']}, "
-                f"this build computes {list(CHANNEL_FEATURES)}; retrain the head"
-            )
-        self.d_draft = int(self.meta["d_draft"])
-        self.d_target = int(self.meta["d_target"])
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = intra_op_threads
-        options.inter_op_num_threads = 1
-        self._session = ort.InferenceSession(
-            str(path), sess_options=options, providers=providers or _default_providers()
-        )
-        self.providers: list[str] = self._session.get_providers()
-        inp = self._session.get_inputs()[0]
-        self._input_name = inp.name
-        width = inp.shape[1] if len(inp.shape) == 2 else None
-        if width != self.d_draft + self.d_target + N_CHANNEL:
-            raise ValueError(
-                f"{path}: graph input width {width} != d_D={self.d_draft} + d_T={self.d_target} "
-                f"+ {N_CHANNEL} from {side.name}"
-            )
-
-    def reject_prob(self, h_draft: np.ndarray, h_target: np.ndarray, channel_features: np.ndarray) -> np.ndarray:
-        """Rejection probabilities float32 [n].
-
-        Args:
-            h_draft: [n, d_D] drafter hiddens at the mismatches.
-            h_target: [n, d_T] target hiddens at the same positions.
-            channel_features: [3] (one channel for all rows) or [n, 3], from ``ChannelState.features()``.
-        """
-        h_d = np.asarray(h_draft, dtype=np.float32)
-        h_t = np.asarray(h_target, dtype=np.float32)
-        c = np.asarray(channel_features, dtype=np.float32)
-        if h_d.ndim != 2 or h_d.shape[1] != self.d_draft:
-            raise ValueError(f"h_draft must be [n, d_D={self.d_draft}], got {h_d.shape}")
-        n = h_d.shape[0]
-        if h_t.shape != (n, self.d_target):
-            raise ValueError(f"h_target must be [n={n}, d_T={self.d_target}], got {h_t.shape}")
-        if c.shape == (N_CHANNEL,):
-            c = np.broadcast_to(c, (n, N_CHANNEL))
-        elif c.shape != (n, N_CHANNEL):
-            raise ValueError(
-                f"channel_features must be [{N_CHANNEL}] or [n={n}, {N_CHANNEL}] "
-                f"({', '.join(CHANNEL_FEATURES)}), got {c.shape}"
-            )
-        if n == 0:
-            return np.zeros(0, np.float32)
-        x = np.ascontiguousarray(np.concatenate([h_d, h_t, c], axis=1))
-        return self._session.run(None, {self._input_name: x})[0].reshape(n)
 
 
-def make_judge(
-    head: OnnxHead, channel_getter: Callable[[], ChannelState]
-) -> Callable[[Any, list[int], torch.Tensor], torch.Tensor]:
-    """The ``judge`` for ``decoding.Verifier(judge=...)``.
-
-    ``judge(block, positions, target_hidden)`` returns the [len(positions)] float32 rejection
-    probabilities at the mismatch positions, from ``block.hidden[positions]`` ([K, d_D] numpy),
-    ``target_hidden[positions]`` ([K+1, d_T] torch; row i is the target hidden at draft position i)
-    and the channel that ``channel_getter()`` returns at call time. ``head`` is an
-    :class:`OnnxHead` or anything with the same ``reject_prob(h_draft, h_target, channel_features)``.
-
-    Raises (from the judge): ValueError when ``block.hidden`` is None (under SH the hiddens at the
-    mismatches must be uploaded first) or a position is out of range; TypeError when the getter
-    does not return a ChannelState.
-    """
-
-    def judge(block: Any, positions: list[int], target_hidden: torch.Tensor) -> torch.Tensor:
-        if block.hidden is None:
-            raise ValueError("the decision head needs the drafter hiddens at the mismatches (block.hidden is None)")
-        h_block = np.asarray(block.hidden)
-        idx = np.asarray(positions, dtype=np.int64).reshape(-1)
-        k = h_block.shape[0]
-        if idx.size and (idx.min() < 0 or idx.max() >= k or idx.max() >= target_hidden.shape[0]):
-            raise ValueError(
-                f"mismatch positions {idx.tolist()} out of range for {k} drafter hiddens and "
-                f"{target_hidden.shape[0]} target hiddens"
-            )
-        ch = channel_getter()
-        if not isinstance(ch, ChannelState):
-            raise TypeError(f"channel_getter must return a ChannelState, got {type(ch).__name__}")
-        h_t = target_hidden[torch.from_numpy(idx)].detach().to("cpu", torch.float32).numpy()
-        return torch.from_numpy(np.asarray(head.reject_prob(h_block[idx], h_t, ch.features()), dtype=np.float32))
-
-    return judge

@@ -25,13 +25,47 @@ No rclpy here: this module is part of the ROS-free core.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
+
+import numpy as np
 
 import torch
 
-from .lm import CausalLM
+from wisv_ros.sd.lm import CausalLM
 
-__all__ = ["CopyResult", "copy_candidates", "verify_tree"]
+__all__ = ["CopyConfig", "CopyResult", "copy_candidates", "verify_tree"]
+
+
+@dataclasses.dataclass
+class CopyConfig:
+    """SwitchSD copy mode on the edge: draft from the context, no round trip to the robot.
+
+    gate:  the copy probe, (hidden row of ``layer`` at the last committed position) -> fires;
+           None = the probe-less n-gram baseline (copy whenever the kappa-gram suffix matched).
+    layer: (layer, kind) the target captures for the gate (the verifier's CausalLM must capture it).
+    kappa, width, depth: suffix length to match, candidates per round (W), tokens per candidate (D).
+    """
+
+    gate: Callable[[np.ndarray], bool] | None = None
+    layer: tuple[int, str] | None = None
+    kappa: int = 5
+    width: int = 4
+    depth: int = 16
+
+    @classmethod
+    def for_mode(cls, mode: str, probe=None, *, kappa: int = 5, width: int = 4, depth: int = 16,
+                 gate: Callable[[np.ndarray], bool] | None = None) -> "CopyConfig | None":
+        """Copy mode by name: "off" -> None; "ngram" (no gate); "probe": gated by ``probe``
+        (a ``probe.CopyProbe``) at its layer, ``gate`` replacing ``probe.fires`` (e.g. to count calls)."""
+        if mode == "off":
+            return None
+        if mode == "ngram":
+            return cls(gate=None, kappa=kappa, width=width, depth=depth)
+        if mode != "probe":
+            raise ValueError(f"copy mode '{mode}' is not one of off, ngram, probe")
+        if probe is None:
+            raise ValueError("copy mode probe needs a probe")
+        return cls(gate=gate if gate is not None else probe.fires, layer=(probe.layer, probe.kind), kappa=kappa, width=width, depth=depth)
 
 
 def copy_candidates(context: Sequence[int], kappa: int = 5, width: int = 4, depth: int = 16) -> list[list[int]]:
@@ -65,7 +99,7 @@ def copy_candidates(context: Sequence[int], kappa: int = 5, width: int = 4, dept
 @dataclasses.dataclass
 class CopyResult:
     candidate: int  # index of the kept candidate (-1: none accepted anything)
-    accepted: list[int]  # accepted copied tokens of the kept candidate
+    accepted_ids: list[int]  # accepted copied tokens of the kept candidate
     next_id: int  # the target's token after them (correction or bonus)
     accepted_per_candidate: list[int]
     layers: dict[tuple[int, str], torch.Tensor]  # captured layers at the last accepted position [d]
@@ -121,14 +155,14 @@ def verify_tree(lm: CausalLM, context: Sequence[int], candidates: Sequence[Seque
     start, _ = spans[best]
     accepted = list(candidates[best][:best_n])
     next_row = n_pend - 1 if best_n == 0 else start + best_n - 1
-    return CopyResult(candidate=best if best_n > 0 else -1, accepted=accepted, next_id=int(argmax[next_row]),
+    return CopyResult(candidate=best if best_n > 0 else -1, accepted_ids=accepted, next_id=int(argmax[next_row]),
                       accepted_per_candidate=per, layers={k: v[next_row] for k, v in step.layers.items()})
 
 
 def _sample_tree(step, spans: list[tuple[int, int]], candidates: Sequence[Sequence[int]], n_pend: int,
                  temperature: float, generator: torch.Generator | None) -> CopyResult:
     """Speculative sampling down the candidate tree (deterministic drafts: q = one-hot)."""
-    from .acceptance import softmax_t
+    from wisv_ros.sd.acceptance import softmax_t
 
     def row(c: int, depth: int) -> int:  # the row predicting candidate c's token at ``depth``
         return n_pend - 1 if depth == 0 else spans[c][0] + depth - 1
@@ -164,5 +198,5 @@ def _sample_tree(step, spans: list[tuple[int, int]], candidates: Sequence[Sequen
         while n < min(len(cand), len(accepted)) and int(cand[n]) == accepted[n]:
             n += 1
         per.append(n)
-    return CopyResult(candidate=alive[0] if accepted else -1, accepted=accepted, next_id=next_id,
+    return CopyResult(candidate=alive[0] if accepted else -1, accepted_ids=accepted, next_id=next_id,
                       accepted_per_candidate=per, layers={k: v[next_row] for k, v in step.layers.items()})

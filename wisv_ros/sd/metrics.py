@@ -16,15 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .link import (
-    Protocol,
-    WireFormat,
-    downlink_bytes_verdict,
-    uplink_bytes_dist,
-    uplink_bytes_fh,
-    uplink_bytes_ids,
-    uplink_bytes_sh,
-)
+from wisv_ros.link.channel import Protocol, WireFormat, downlink_bytes_verdict, uplink_bytes_dist, uplink_bytes_fh, uplink_bytes_ids, uplink_bytes_sh
 
 __all__ = ["DecodeStats", "format_table"]
 

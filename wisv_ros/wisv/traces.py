@@ -41,9 +41,11 @@ from typing import Callable, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
-from .datasets import Problem, build_prompt, extract_final_number
-from .decoding import DraftBlock, Drafter, Verdict, Verifier, encode_prompt, generate
-from .lm import CausalLM
+from wisv_ros.eval.datasets import read_jsonl, Problem, build_prompt, extract_final_number
+from wisv_ros.sd.drafting import DraftBlock, Drafter, encode_prompt
+from wisv_ros.sd.verification import Verdict, Verifier
+from wisv_ros.sd.rounds import generate
+from wisv_ros.sd.lm import CausalLM
 
 __all__ = ["TraceWriter", "collect_traces", "label_mismatches", "load_traces", "answer_complete", "bench_labelling"]
 
@@ -56,20 +58,6 @@ def answer_complete(text: str) -> bool:
     """True once a GSM-style answer text has stated its final answer ('The answer is N' + more)."""
     return _FINAL_ANSWER.search(text) is not None
 
-
-def _read_jsonl(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    out = []
-    with path.open() as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    break  # a torn last line from an interrupted run: ignore it
-    return out
 
 
 class TraceWriter:
@@ -89,8 +77,8 @@ class TraceWriter:
                     )
         else:
             meta_path.write_text(json.dumps(meta, indent=1))
-        self.done = {p["id"] for p in _read_jsonl(self.folder / "problems.jsonl")}
-        existing = _read_jsonl(self.folder / "mismatches.jsonl")
+        self.done = {p["id"] for p in read_jsonl(self.folder / "problems.jsonl")}
+        existing = read_jsonl(self.folder / "mismatches.jsonl")
         self.n_records = len(existing)
         self._shard = 1 + max((r["shard"] for r in existing), default=-1)
         self._rows_d: list[np.ndarray] = []
@@ -166,7 +154,7 @@ def collect_traces(
 
         def on_round(block: DraftBlock, verdict: Verdict, n_before: int) -> None:
             nonlocal round_id
-            a = verdict.accepted_count
+            a = verdict.accepted
             if a < len(block.token_ids):  # the round ended at a mismatch: record it
                 records.append({"round_id": round_id, "position": n_before + a, "block_index": a,
                                 "draft_id": int(block.token_ids[a]), "target_id": int(verdict.correction_id)})
@@ -199,7 +187,7 @@ class Traces:
 def load_traces(folder: Path) -> Traces:
     folder = Path(folder)
     meta = json.loads((folder / "meta.json").read_text())
-    problems = {p["id"]: p for p in _read_jsonl(folder / "problems.jsonl")}
+    problems = {p["id"]: p for p in read_jsonl(folder / "problems.jsonl")}
     # An answer that ran into max_new_tokens was cut off: whatever number it ends with is not its
     # final answer, so the problem cannot be labelled (its labels, if any, are ignored).
     cut = meta.get("max_new_tokens")
@@ -208,7 +196,7 @@ def load_traces(folder: Path) -> Traces:
             p["answer"] = None
     # Records of problems that never finished writing (interrupted run) are dropped.
     # A problem redone after an interrupted run appends its records again: the last copy wins.
-    by_uid = {r["uid"]: r for r in _read_jsonl(folder / "mismatches.jsonl") if r["problem_id"] in problems}
+    by_uid = {r["uid"]: r for r in read_jsonl(folder / "mismatches.jsonl") if r["problem_id"] in problems}
     records = list(by_uid.values())
     shards: dict[int, dict[str, np.ndarray]] = {}
     hd, ht = [], []
@@ -218,7 +206,7 @@ def load_traces(folder: Path) -> Traces:
                 shards[r["shard"]] = {"h_draft": z["h_draft"], "h_target": z["h_target"]}
         hd.append(shards[r["shard"]]["h_draft"][r["row"]])
         ht.append(shards[r["shard"]]["h_target"][r["row"]])
-    labels = {lab["uid"]: lab["label"] for lab in _read_jsonl(folder / "labels.jsonl")}
+    labels = {lab["uid"]: lab["label"] for lab in read_jsonl(folder / "labels.jsonl")}
     d_d, d_t = meta.get("d_draft", 0), meta.get("d_target", 0)
     return Traces(
         meta=meta,

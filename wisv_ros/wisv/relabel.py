@@ -47,7 +47,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from .link import CHANNEL_FEATURES, SCENARIOS, ChannelState, ChannelTrace, WireFormat, comm_time_fh
+from wisv_ros.link.channel import CHANNEL_FEATURES, SCENARIOS, ChannelState, ChannelTrace, WireFormat, comm_time_fh
 
 __all__ = [
     "ChannelDistribution",

@@ -24,7 +24,6 @@ import numpy as np
 
 __all__ = [
     "DTYPES",
-    "UNKNOWN_REQUEST",
     "WireError",
     "decode_array",
     "encode_array",
@@ -41,7 +40,6 @@ _NUMPY = {"float16": np.dtype("<f2"), "float32": np.dtype("<f4"), "bfloat16": np
 
 #: Start of Verdict.error when the verifier holds no context for a request; the drafter then
 #: resends the whole context (DraftBlock.context_ids) with its next block.
-UNKNOWN_REQUEST = "unknown request"
 
 
 class WireError(ValueError):

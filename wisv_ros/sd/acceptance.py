@@ -9,7 +9,7 @@ Glossary of token roles in one round (K draft tokens, one target pass over prefi
 * correction     when ``n < K``: the target's replacement for the rejected draft token ``d[n]``;
 * bonus          when ``n == K``: the extra token predicted by ``L[K]`` for free.
 
-Every rule returns ``Decision(n_accepted, next_id)``: the round commits ``d[:n] + [next_id]``, so a
+Every rule returns ``Decision(accepted, next_id)``: the round commits ``d[:n] + [next_id]``, so a
 round always commits between 1 and K+1 tokens.
 
 No rclpy here: this module is part of the ROS-free core.
@@ -26,7 +26,7 @@ __all__ = ["Decision", "greedy_accept", "judged_accept", "mismatch_positions", "
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-    n_accepted: int  # draft tokens kept, 0..K
+    accepted: int  # draft tokens kept, 0..K
     next_id: int  # correction (n < K) or bonus (n == K) token
 
 
@@ -93,7 +93,7 @@ def judged_accept(
                 if p >= tau:
                     cut = pos
                     break
-    return Decision(n_accepted=cut, next_id=int(argmax[cut]))
+    return Decision(accepted=cut, next_id=int(argmax[cut]))
 
 
 def rejection_accept(

@@ -1,4 +1,4 @@
-"""``ros2 launch`` glue: the graph of :mod:`wisv_ros.graph` as a ``LaunchDescription``.
+"""``ros2 launch`` glue: the graph of :mod:`wisv_ros.graph.description` as a ``LaunchDescription``.
 
 Used only by ``launch/*.launch.py``; ``launch``, ``launch_ros`` and ``ament_index_python`` are
 imported when a launch file calls :func:`launch_description`, so importing this module needs no
@@ -9,7 +9,7 @@ parameter file's value alone, and both routes start the same nodes with the same
 """
 from __future__ import annotations
 
-from . import graph
+from wisv_ros.graph import description as graph
 
 __all__ = ["launch_description", "node_actions"]
 

@@ -3,7 +3,7 @@
 One description, two ways to start it:
 
 - ``ros2 launch wisv_ros {robot,edge,system}.launch.py [arg:=value ...]`` (machines with a ROS 2
-  install): ``wisv_ros.ros_launch`` turns :func:`resolve` into ``launch_ros.actions.Node`` actions;
+  install): ``wisv_ros.graph.ros_launch`` turns :func:`resolve` into ``launch_ros.actions.Node`` actions;
 - ``python -m wisv_ros.cli.launch {robot,edge,system} [arg:=value ...]`` (pip-only machines):
   :func:`command` turns the same :func:`resolve` into ``python -m wisv_ros.nodes.<executable>
   --ros-args ...`` command lines. ``test/test_launch.py`` checks that the two agree.
@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from .link import SCENARIOS
+from wisv_ros.link.channel import SCENARIOS
 
 __all__ = [
     "CONFIGURATIONS",

@@ -15,7 +15,7 @@ times into a :class:`~wisv_ros.link.ChannelState`. What is measured, honestly:
   about 1 ms per hop unloaded, and a probe through the emulator makes four hops). A sample is
   *late* if it exceeds the estimate by more than ``max(late_factor * rtt, late_min_s)``; late
   samples are kept out (they are the losses, see PER; the default margin, 0.75 RTT, must stay
-  below the link's retransmission timeout, 1.5 RTT in :mod:`wisv_ros.emulator`).
+  below the link's retransmission timeout, 1.5 RTT in :mod:`wisv_ros.link.emulator`).
   ``shift_count`` late samples in a row are taken as a level shift instead (the RTT really went
   up): the windows restart from them (the estimate becomes their fast cluster) and they stop
   counting as late. A drop needs no rule: a faster sample enters the window and lowers the estimate at
@@ -44,7 +44,7 @@ times into a :class:`~wisv_ros.link.ChannelState`. What is measured, honestly:
   * best-effort probes (``per_from_late=False``, the monitor's default): a lost packet loses
     the probe, which is counted when it is not echoed within ``timeout_s``. This is the
     residual (post-MAC-retransmission) loss rate the scenarios call PER, and jitter cannot fake
-    it; :class:`wisv_ros.emulator.LinkEmulator` drops best-effort messages accordingly.
+    it; :class:`wisv_ros.link.emulator.LinkEmulator` drops best-effort messages accordingly.
   * reliable probes (``per_from_late=True``): the link retransmits, so probes come late rather
     than not at all; late ones (and timed-out ones) count. Jitter larger than the late margin
     (a busy CPU) is mistaken for loss: on this 2-core machine under load a 0.01 PER read as
@@ -62,7 +62,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-from wisv_ros.link import ChannelState, _check_int, _check_nonnegative, _check_positive, _check_real
+from wisv_ros.link.channel import ChannelState, _check_int, _check_nonnegative, _check_positive, _check_real
 
 __all__ = ["LinkEstimate", "LinkEstimator", "ProbeKind"]
 

@@ -53,14 +53,7 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from wisv_ros.link import (
-    ChannelState,
-    ChannelTrace,
-    _check_int,
-    _check_nonnegative,
-    _check_positive,
-    _check_real,
-)
+from wisv_ros.link.channel import ChannelState, ChannelTrace, _check_int, _check_nonnegative, _check_positive, _check_real
 
 __all__ = ["Direction", "Delivery", "LinkEmulator", "DeliveryQueue"]
 

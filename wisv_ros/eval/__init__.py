@@ -1,0 +1,1 @@
+"""Evaluation (ROS-free): data sets (HumanEval, GSM8K, gsm_symbolic), prompts and scoring."""

@@ -1,0 +1,1 @@
+"""Speculative decoding core (ROS-free): the model wrapper, drafter, verifier, acceptance rules, the round protocol and metrics."""

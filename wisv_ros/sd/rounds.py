@@ -1,0 +1,697 @@
+"""The round protocol of distributed speculative decoding, ROS-free: one loop for every transport.
+
+A request is a sequence of rounds. In each round the robot drafts a block, sends it to the edge,
+and commits what the edge's verdict commits (SPEC "One round"). Around that, this module owns
+everything that keeps a request alive on a real link:
+
+Robot side (``RobotSession``; used by ``generate`` in process and by ``drafter_node`` over DDS):
+
+* round ids: each block gets the next ``round_id`` of its request;
+* the whole context (``context_ids``) goes with a request's first block, and again whenever the
+  edge may have lost it (``unknown request`` verdict after a verifier restart, or after edge loss);
+* resends: a block whose verdict does not come within ``verdict_timeout_s`` (a block carrying the
+  whole context: ``first_verdict_timeout_s``) is sent again, same request and round, up to
+  ``verdict_retries`` times; the edge answers a resent round with the verdict it already gave;
+* edge loss: with ``on_edge_loss = "error"`` the request fails (``EdgeLost``); with
+  ``"drafter_only"`` the robot commits its own drafts (drafter-only rounds) and tries the edge again
+  at most every ``edge_retry_s``, with the whole context;
+* accounting: rounds, drafter-only rounds, copy rounds, drafting and edge time.
+
+Edge side (``EdgeSessions``; used by ``verifier_node``, ``bag reverify`` and ``generate``):
+
+* one core ``Verifier`` (session) per request id, the newest ``max_requests`` kept;
+* checks of every block (method, tau, temperature, ids, prefix length, round order) with an error
+  reply that names the field;
+* idempotent resends: the last reply of each request is kept and given again to a resent block;
+* two-phase verification: ``begin`` runs the target pass and says which drafter hiddens the decision
+  needs (``EdgeRound.hidden_positions``); the caller fetches them however they travel; ``finish``
+  decides, then runs SwitchSD copy rounds (at most ``copy_max_rounds``, and the block's
+  ``copy_budget`` tokens) whose tokens end the reply's ``committed_ids``.
+
+Transports plug in with ``EdgeLink.exchange(request, timeout_s) -> EdgeReply | None`` on the robot
+side; ``InProcessLink`` connects a ``RobotSession`` to an ``EdgeSessions`` directly.
+
+No rclpy here: this module is part of the ROS-free core.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import time
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
+import torch
+
+from wisv_ros.link.channel import ChannelState, WireFormat, choose_protocol
+from wisv_ros.sd.drafting import DraftBlock, Drafter, encode_prompt, pick_token
+from wisv_ros.sd.lm import CausalLM
+from wisv_ros.sd.metrics import DecodeStats
+from wisv_ros.sd.verification import Judge, Method, Verdict, Verifier
+from wisv_ros.switchsd.copying import CopyConfig
+
+__all__ = [
+    "EDGE_LOSS",
+    "PROTOCOLS",
+    "UNKNOWN_REQUEST",
+    "BlockRequest",
+    "EdgeLink",
+    "EdgeLost",
+    "EdgeReply",
+    "EdgeRound",
+    "EdgeSessions",
+    "Generation",
+    "InProcessLink",
+    "RobotPolicy",
+    "RobotResult",
+    "RobotSession",
+    "clip",
+    "generate",
+    "generate_target_only",
+    "protocol_chooser",
+]
+
+PROTOCOLS = ("ids", "fh", "sh")  # how a block travels: ids only, ids + all hiddens, ids then hiddens on request
+EDGE_LOSS = ("error", "drafter_only")
+UNKNOWN_REQUEST = "unknown request"  # start of the error of a block whose request the edge does not know
+
+
+@dataclasses.dataclass
+class BlockRequest:
+    """One block as it travels robot -> edge (the DraftBlock message as plain data).
+
+    context_ids: the whole committed context (prompt included) when the edge needs it, else empty.
+    hidden: [K, d_D] drafter hiddens; travel with the block under protocol fh only (under sh the
+        edge asks for the rows it needs).
+    draft_probs: [K, V] the drafter's distributions (method reject only).
+    method: "" = the edge's default. copy_budget: tokens that copy rounds after the block may commit.
+    """
+
+    request_id: str
+    round_id: int
+    prefix_length: int
+    token_ids: list[int]
+    k: int
+    protocol: str = "ids"
+    method: str = ""
+    tau: float = 0.0
+    temperature: float = 0.0
+    context_ids: list[int] = dataclasses.field(default_factory=list)
+    hidden: np.ndarray | None = None
+    draft_probs: np.ndarray | None = None
+    draft_time_s: float = 0.0
+    copy_budget: int = 0
+
+    def key(self) -> tuple:
+        """What identifies a resend of the same block."""
+        return (self.round_id, self.prefix_length, tuple(self.token_ids))
+
+
+@dataclasses.dataclass
+class EdgeReply:
+    """The edge's answer to one block (the Verdict message as plain data).
+
+    committed_ids: the block's accepted drafts + correction/bonus, then the tokens of the copy rounds
+    that followed (``copy_committed`` of them, in ``copy_rounds`` rounds). ``error``: the block is void.
+    verdict / copies: the core verdicts behind the reply (edge side only; not on the wire).
+    """
+
+    request_id: str
+    round_id: int
+    accepted: int = 0
+    correction_id: int = -1
+    committed_ids: list[int] = dataclasses.field(default_factory=list)
+    committed_length: int = 0
+    copy_rounds: int = 0
+    copy_committed: int = 0
+    edge_time_s: float = 0.0
+    error: str = ""
+    verdict: Verdict | None = None
+    copies: list[Verdict] = dataclasses.field(default_factory=list)
+    resent: bool = False  # the edge gave this reply before (a resent block)
+
+
+# =========================================================================== edge side
+class BlockError(ValueError):
+    """A block the edge refuses; the message names the field."""
+
+
+@dataclasses.dataclass
+class _Session:
+    verifier: Verifier
+    last_round: int
+    last_key: tuple | None = None
+    last_reply: EdgeReply | None = None
+
+
+@dataclasses.dataclass
+class EdgeRound:
+    """A block between the target pass and the decision (``EdgeSessions.begin`` -> ``finish``)."""
+
+    request: BlockRequest
+    hidden_positions: list[int]  # drafter hiddens the decision needs (fetch them under protocol sh)
+    _session: _Session
+    _pass: object
+
+
+class EdgeSessions:
+    """The edge side of the round protocol over one target model.
+
+    Args:
+        lm: the target (shared by every request).
+        method: the acceptance rule of blocks whose ``method`` is empty.
+        judge: the WISV decision head (``verification.Judge``); None = wisv rejects every mismatch.
+        copy: SwitchSD copy mode after each block (None = off).
+        seed: seeds rejection sampling (per request).
+        max_requests: requests whose session is kept (oldest dropped first).
+        copy_max_rounds: copy rounds after one block at most.
+        verifier_for: makes the ``Verifier`` of a new request (default: one over ``lm`` with the
+            arguments above); ``generate`` hands in its caller's verifier this way.
+    """
+
+    def __init__(self, lm: CausalLM, *, method: Method = Method.GREEDY, judge: Judge | None = None,
+                 copy: CopyConfig | None = None, seed: int = 0, max_requests: int = 16, copy_max_rounds: int = 32,
+                 verifier_for: Callable[[], Verifier] | None = None):
+        self.lm = lm
+        self.verifier_for = verifier_for
+        self.method = Method(method)
+        self.judge = judge
+        self.copy = copy
+        self.seed = seed
+        self.max_requests = max_requests
+        self.copy_max_rounds = copy_max_rounds
+        self._sessions: collections.OrderedDict[str, _Session] = collections.OrderedDict()
+        self._eos = lm.eos_ids()
+
+    def context(self, request_id: str) -> list[int] | None:
+        """The committed context of a request (None: unknown)."""
+        s = self._sessions.get(request_id)
+        return None if s is None else s.verifier.context
+
+    def rewind(self, request_id: str, context: Sequence[int]) -> None:
+        """Set a known request's committed context (``bag reverify`` follows a recording with it)."""
+        self._sessions[request_id].verifier.context = list(context)
+
+    def handle(self, req: BlockRequest,
+               fetch_hidden: Callable[[BlockRequest, list[int]], np.ndarray | None] | None = None) -> EdgeReply:
+        """Both phases: ``begin``, the drafter hiddens (``req.hidden`` under fh, ``fetch_hidden`` under
+        sh: a [K, d_D] array with the asked rows filled, or None), ``finish``."""
+        out = self.begin(req)
+        if isinstance(out, EdgeReply):
+            return out
+        hidden = None
+        if out.hidden_positions:
+            if req.protocol == "fh":
+                hidden = req.hidden
+            elif req.protocol == "sh" and fetch_hidden is not None:
+                hidden = fetch_hidden(req, out.hidden_positions)
+        return self.finish(out, hidden)
+
+    def begin(self, req: BlockRequest) -> EdgeRound | EdgeReply:
+        """Check the block and run the target pass; an ``EdgeReply`` when it is answered already
+        (a resend) or refused (``error``)."""
+        session = self._sessions.get(req.request_id)
+        if session is not None and session.last_reply is not None and session.last_key == req.key():
+            return dataclasses.replace(session.last_reply, resent=True)
+        try:
+            session, method = self._admit(req)
+        except BlockError as exc:
+            return EdgeReply(req.request_id, req.round_id, error=str(exc))
+        # From here the round is taken: its reply (or error) is kept for resends.
+        session.last_round, session.last_key, session.last_reply = req.round_id, req.key(), None
+        v = session.verifier
+        v.method, v.tau, v.copy = method, float(req.tau), self.copy
+        if method == Method.REJECT:
+            v.temperature = float(req.temperature)
+        probs = torch.from_numpy(np.ascontiguousarray(req.draft_probs)) if req.draft_probs is not None else None
+        block = DraftBlock(token_ids=list(req.token_ids), hidden=req.hidden, probs=probs,
+                           prefix_length=req.prefix_length, draft_time_s=req.draft_time_s)
+        try:
+            tp = v.target_pass(block)
+        except Exception as exc:  # noqa: BLE001 - a block never takes the edge down
+            return self._remember(session, self._error(req, exc))
+        return EdgeRound(req, list(tp.hidden_positions), session, tp)
+
+    def finish(self, rnd: EdgeRound, drafter_hidden: np.ndarray | None = None) -> EdgeReply:
+        """Decide (with the drafter hiddens at ``rnd.hidden_positions``, or None: reject every
+        mismatch), run the copy rounds, and keep the reply for resends."""
+        req, session = rnd.request, rnd._session
+        try:
+            verdict = session.verifier.decide(rnd._pass, drafter_hidden)
+            copies = self._copy_rounds(session.verifier, verdict.committed_ids, req.copy_budget)
+        except Exception as exc:  # noqa: BLE001
+            return self._remember(session, self._error(req, exc))
+        copied = [t for c in copies for t in c.committed_ids]
+        reply = EdgeReply(req.request_id, req.round_id, accepted=verdict.accepted, correction_id=verdict.correction_id,
+                          committed_ids=list(verdict.committed_ids) + copied,
+                          committed_length=len(session.verifier.context), copy_rounds=len(copies),
+                          copy_committed=len(copied), verdict=verdict, copies=copies)
+        return self._remember(session, reply)
+
+    @staticmethod
+    def _error(req: BlockRequest, exc: Exception) -> EdgeReply:
+        text = str(exc) if isinstance(exc, ValueError) else f"internal error: {type(exc).__name__}: {exc}"
+        return EdgeReply(req.request_id, req.round_id, error=text)
+
+    @staticmethod
+    def _remember(session: _Session, reply: EdgeReply) -> EdgeReply:
+        session.last_reply = reply
+        return reply
+
+    def _admit(self, req: BlockRequest) -> tuple[_Session, Method]:
+        """The session of a valid block (created from ``context_ids``) and its method; BlockError."""
+        try:
+            method = Method.parse(req.method or self.method.value)
+        except ValueError as exc:
+            raise BlockError(f"method: {exc}") from None
+        if method == Method.TARGET_ONLY:
+            raise BlockError("method: target_only has no verifier")
+        if method == Method.REJECT and not req.temperature > 0:
+            raise BlockError(f"temperature: method reject needs > 0, got {req.temperature}")
+        if not math.isfinite(req.tau) or req.tau < 0:
+            raise BlockError(f"tau: must be finite and >= 0, got {req.tau}")
+        if req.protocol not in PROTOCOLS:
+            raise BlockError(f"protocol: '{req.protocol}' is not one of {', '.join(PROTOCOLS)}")
+        k = len(req.token_ids)
+        if k == 0:
+            raise BlockError("token_ids: empty block")
+        vocab = self.lm.vocab_size
+        self._check_ids("token_ids", req.token_ids, vocab)
+        if req.protocol == "fh" and (req.hidden is None or len(req.hidden) != k):
+            raise BlockError(f"hidden: protocol fh needs {k} drafter hiddens")
+        if method == Method.REJECT and (req.draft_probs is None or tuple(req.draft_probs.shape) != (k, vocab)):
+            shape = None if req.draft_probs is None else list(req.draft_probs.shape)
+            raise BlockError(f"draft_probs: method reject needs [{k}, {vocab}], got {shape}")
+        rid, rnd = req.request_id, req.round_id
+        session = self._sessions.get(rid)
+        if req.context_ids:
+            self._check_ids("context_ids", req.context_ids, vocab)
+            if len(req.context_ids) != req.prefix_length:
+                raise BlockError(f"prefix_length {req.prefix_length} != len(context_ids) {len(req.context_ids)}")
+            if session is not None and rnd <= session.last_round:
+                raise BlockError(f"round_id {rnd}: duplicate or out of order (last verified round {session.last_round})")
+            if self.verifier_for is not None:
+                verifier = self.verifier_for()
+            else:
+                verifier = Verifier(self.lm, method, temperature=req.temperature or 1.0, tau=req.tau, judge=self.judge,
+                                    seed=self.seed)
+            verifier.begin(req.context_ids)
+            session = _Session(verifier, rnd - 1)
+            self._sessions[rid] = session
+            while len(self._sessions) > self.max_requests:
+                self._sessions.popitem(last=False)
+        elif session is None:
+            raise BlockError(f"{UNKNOWN_REQUEST} {rid}: resend context")
+        if rnd <= session.last_round:
+            raise BlockError(f"round_id {rnd}: duplicate or out of order (last verified round {session.last_round})")
+        if req.prefix_length != len(session.verifier.context):
+            raise BlockError(f"prefix_length {req.prefix_length} does not match the committed length "
+                             f"{len(session.verifier.context)} on the verifier")
+        self._sessions.move_to_end(rid)
+        return session, method
+
+    @staticmethod
+    def _check_ids(field: str, ids: Sequence[int], vocab: int) -> None:
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise BlockError(f"{field}: ids {bad[:5]} outside the target vocabulary [0, {vocab})")
+
+    def _copy_rounds(self, v: Verifier, committed: list[int], budget: int) -> list[Verdict]:
+        """SwitchSD: copy rounds after a block while copy mode holds, at most ``budget`` tokens (the
+        last round may pass it: the robot clips) and ``copy_max_rounds`` rounds; none after an
+        end-of-sequence token."""
+        if v.copy is None or budget <= 0 or self._eos.intersection(committed):
+            return []
+        copies: list[Verdict] = []
+        copied = 0
+        for _ in range(self.copy_max_rounds):
+            c = v.copy_round()
+            if c is None:
+                break
+            copies.append(c)
+            copied += len(c.committed_ids)
+            if copied >= budget or self._eos.intersection(c.committed_ids):
+                break
+        return copies
+
+
+# =========================================================================== robot side
+class EdgeLink(Protocol):
+    """How the robot reaches the edge."""
+
+    def exchange(self, req: BlockRequest, timeout_s: float) -> EdgeReply | None:
+        """Send one block and wait up to ``timeout_s`` for its reply (None: none came)."""
+
+    def edge_present(self) -> bool:
+        """Whether an edge is there to try again after a loss (e.g. a verifier subscribed)."""
+
+
+class EdgeLost(Exception):
+    """The edge did not answer (or answered with an error) and ``on_edge_loss`` is ``error``."""
+
+
+@dataclasses.dataclass
+class RobotPolicy:
+    """How one request runs on the robot (the drafter_node parameters of the same names)."""
+
+    k: int = 8
+    max_new_tokens: int = 128
+    method: str = "greedy"
+    tau: float = 0.0
+    temperature: float = 0.0
+    verdict_timeout_s: float = 5.0
+    first_verdict_timeout_s: float = 60.0
+    verdict_retries: int = 2
+    on_edge_loss: str = "drafter_only"
+    edge_retry_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.on_edge_loss not in EDGE_LOSS:
+            raise ValueError(f"on_edge_loss: '{self.on_edge_loss}' is not one of {', '.join(EDGE_LOSS)}")
+        if self.k < 1:
+            raise ValueError(f"k: must be >= 1, got {self.k}")
+
+
+@dataclasses.dataclass
+class RobotResult:
+    """What a request did, robot side."""
+
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    rounds: int = 0  # rounds that committed tokens (a resent block is the same round)
+    drafter_only_rounds: int = 0  # of rounds, those committed without the edge
+    copy_rounds: int = 0
+    copy_committed: int = 0
+    draft_time_s: float = 0.0
+    edge_time_s: float = 0.0
+
+
+def clip(new_ids: list[int], have: int, max_new: int, eos: set[int]) -> tuple[list[int], bool]:
+    """Cut committed ids at the token budget and after the first end-of-sequence token; (kept, done)."""
+    out = []
+    for tok in new_ids:
+        if have + len(out) >= max_new:
+            return out, True
+        out.append(tok)
+        if tok in eos:
+            return out, True
+    return out, have + len(out) >= max_new
+
+
+def check_reply(req: BlockRequest, reply: EdgeReply) -> str | None:
+    """Why a reply cannot be committed (None: it can)."""
+    if reply.error:
+        return f"verifier error: {reply.error}"
+    n = len(reply.committed_ids)
+    copied = reply.copy_committed
+    if (not 1 <= n - copied <= len(req.token_ids) + 1 or reply.committed_length != req.prefix_length + n
+            or (copied and not req.copy_budget)):
+        return (f"inconsistent verdict: {n} committed ids ({copied} copied), committed_length "
+                f"{reply.committed_length}, block prefix_length {req.prefix_length}")
+    return None
+
+
+class RobotSession:
+    """The robot side of one request: the one round loop of the project.
+
+    Args:
+        drafter: the robot's ``Drafter`` (``begin`` is called here).
+        request_id: the request's id (unique per robot and request).
+        target_prompt: the prompt in the target's vocabulary; drafter_prompt: in the drafter's.
+        policy: ``RobotPolicy``.
+        link: ``EdgeLink``.
+        eos: target ids that end the answer.
+        protocol_for: (drafted tokens, mean rejected positions) -> "ids" | "fh" | "sh" for a block.
+        log: ``log(level, text)`` with level "info" or "warning" (None: silent).
+        clock: monotonic seconds (tests replace it).
+        mean_mismatch: the running mean of rejected draft positions to start from (``protocol_for``).
+    """
+
+    def __init__(self, drafter: Drafter, request_id: str, target_prompt: Sequence[int], drafter_prompt: Sequence[int],
+                 policy: RobotPolicy, link: EdgeLink, eos: set[int],
+                 protocol_for: Callable[[int, float], str] = lambda _k, _m: "ids",
+                 log: Callable[[str, str], None] | None = None, clock: Callable[[], float] = time.monotonic,
+                 mean_mismatch: float = 0.0):
+        self.drafter, self.request_id, self.policy, self.link, self.eos = drafter, request_id, policy, link, eos
+        self.target_prompt = list(target_prompt)
+        self.protocol_for = protocol_for
+        self.log = log or (lambda _level, _text: None)
+        self.clock = clock
+        # Running mean of rejected draft positions (E|S| of protocol choice); a property of the pair,
+        # so a robot carries it from one request to the next.
+        self.mean_mismatch = mean_mismatch
+        drafter.begin(drafter_prompt, len(self.target_prompt))
+
+    def run(self, on_commit: Callable[[list[int], int], None] | None = None,
+            on_round: Callable[[DraftBlock, EdgeReply | None, int], None] | None = None,
+            cancelled: Callable[[], bool] = lambda: False) -> RobotResult:
+        """Rounds until ``max_new_tokens``, an end-of-sequence token or ``cancelled()``.
+
+        on_commit(new ids, round_id) after each round that committed tokens; on_round(block, reply or
+        None for a drafter-only round, tokens generated before the round). Raises ``EdgeLost``.
+        """
+        p, d, res = self.policy, self.drafter, RobotResult()
+        out = res.token_ids
+        need_context = True  # the edge has no context for this request yet
+        edge_down = False
+        next_try = 0.0
+        unknown = 0  # "unknown request" answers in a row
+        round_id = 0  # blocks sent or drafted alone (BlockRequest.round_id)
+        done = p.max_new_tokens <= 0
+        while not done and not cancelled():
+            block = d.draft(p.k)
+            res.draft_time_s += block.draft_time_s
+            if not block.token_ids:
+                raise EdgeLost(f"round {round_id}: the drafter proposed no token (cross-tokenizer alignment)")
+            reply = None
+            if not edge_down or (self.clock() >= next_try and self.link.edge_present()):
+                req = self._request(block, round_id, need_context, copy_budget=p.max_new_tokens - len(out) - len(block.token_ids) - 1)
+                reply, err = self._exchange(req, probe=edge_down, cancelled=cancelled)
+                if reply is None and cancelled():
+                    break
+                round_id += 1
+                if err is None:
+                    need_context, edge_down, unknown = False, False, 0
+                    self.mean_mismatch = 0.8 * self.mean_mismatch + 0.2 * (len(block.token_ids) - reply.accepted)
+                    res.edge_time_s += reply.edge_time_s
+                    res.copy_rounds += reply.copy_rounds
+                    res.copy_committed += reply.copy_committed
+                elif reply is not None and reply.error.startswith(UNKNOWN_REQUEST) and unknown < 2:
+                    self.log("info", f"request {self.request_id}: {err}")  # the edge restarted: resend the context
+                    need_context, unknown = True, unknown + 1
+                    continue
+                elif p.on_edge_loss == "error":
+                    raise EdgeLost(f"edge lost in round {round_id - 1}: {err}")
+                else:
+                    if not edge_down:
+                        self.log("warning", f"request {self.request_id}: edge lost ({err}); continuing with the drafter alone")
+                    edge_down, need_context, next_try = True, True, self.clock() + p.edge_retry_s
+                    reply = None
+            else:
+                round_id += 1
+            if reply is None:  # drafter-only round: commit the drafter's own tokens
+                committed = list(block.token_ids)
+                res.drafter_only_rounds += 1
+            else:
+                committed = list(reply.committed_ids)
+            if on_round is not None:
+                on_round(block, reply, len(out))
+            d.commit(committed)
+            res.rounds += 1
+            new, done = clip(committed, len(out), p.max_new_tokens, self.eos)
+            out.extend(new)
+            if on_commit is not None and new:
+                on_commit(new, round_id - 1)
+        return res
+
+    def _request(self, block: DraftBlock, round_id: int, need_context: bool, copy_budget: int) -> BlockRequest:
+        p = self.policy
+        protocol = "ids" if p.method == Method.REJECT.value else self.protocol_for(len(block.token_ids), self.mean_mismatch)
+        return BlockRequest(
+            request_id=self.request_id, round_id=round_id, prefix_length=block.prefix_length,
+            token_ids=list(block.token_ids), k=p.k, protocol=protocol, method=p.method, tau=p.tau,
+            temperature=p.temperature,
+            context_ids=self.target_prompt + self.drafter.committed if need_context else [],
+            hidden=block.hidden,
+            draft_probs=block.probs.float().numpy() if p.method == Method.REJECT.value and block.probs is not None else None,
+            draft_time_s=block.draft_time_s, copy_budget=max(0, copy_budget))
+
+    def _exchange(self, req: BlockRequest, probe: bool, cancelled: Callable[[], bool]) -> tuple[EdgeReply | None, str | None]:
+        """Send a block, resending it on a timeout; (reply, None) or (reply or None, why not)."""
+        p = self.policy
+        # A block with the whole context makes the edge prefill it first; a probe of a lost edge keeps
+        # the short wait (and gets no resends), so that the robot does not stall on a dead link.
+        name = "first_verdict_timeout_s" if req.context_ids and not probe else "verdict_timeout_s"
+        timeout = getattr(p, name)
+        tries = 1 + (0 if probe else p.verdict_retries)
+        reply, err = None, None
+        for attempt in range(tries):
+            if attempt:
+                self.log("warning", f"request {req.request_id} round {req.round_id}: {err}; "
+                                    f"resending the block ({attempt}/{p.verdict_retries})")
+            reply = self.link.exchange(req, timeout)
+            if reply is not None:
+                return reply, check_reply(req, reply)
+            err = f"no verdict within {name} = {timeout} s"
+            if cancelled():
+                break
+        return reply, err
+
+
+def protocol_chooser(protocol: str, method: str, hidden_dim: int, channel: Callable[[], ChannelState | None]
+                     ) -> Callable[[int, float], str]:
+    """``RobotSession.protocol_for`` of a request: ids, fh or sh as asked, or ``adaptive``: ids for
+    greedy and reject, and for wisv the cheaper of fh and sh (``link.channel.choose_protocol``) on
+    the latest ``channel()`` (fh while there is none)."""
+    def choose(k: int, mean_mismatch: float) -> str:
+        if protocol != "adaptive":
+            return protocol
+        if method != Method.WISV.value:
+            return "ids"
+        ch = channel()
+        if ch is None:
+            return "fh"
+        return choose_protocol(WireFormat(hidden_dim=hidden_dim), k, ch, min(mean_mismatch, k)).value
+
+    return choose
+
+
+# =========================================================================== in process
+class InProcessLink:
+    """Robot and edge in one process: a block reaches ``EdgeSessions`` directly (no loss, no wait);
+    under sh the edge reads the asked rows from the block's hiddens."""
+
+    def __init__(self, edge: EdgeSessions):
+        self.edge = edge
+
+    def exchange(self, req: BlockRequest, timeout_s: float) -> EdgeReply:
+        return self.edge.handle(req, fetch_hidden=lambda r, _positions: r.hidden)
+
+    def edge_present(self) -> bool:
+        return True
+
+
+@dataclasses.dataclass
+class Generation:
+    """Result of one request."""
+
+    token_ids: list[int]  # generated target ids (prompt excluded)
+    text: str
+    stats: DecodeStats
+
+
+def _decode(tok, ids: list[int]) -> str:
+    return tok.decode(ids, skip_special_tokens=True) if tok is not None else " ".join(map(str, ids))
+
+
+class _StopText(Exception):
+    pass
+
+
+def generate(
+    drafter: Drafter,
+    verifier: Verifier,
+    prompt: str | list[dict] | Sequence[int],
+    max_new_tokens: int,
+    k: int,
+    on_commit: Callable[[list[int]], None] | None = None,
+    stats: DecodeStats | None = None,
+    chat: bool = True,
+    on_round: Callable[[DraftBlock, Verdict, int], None] | None = None,
+    stop_text: Callable[[str], bool] | None = None,
+    copy_max_rounds: int = 32,
+) -> Generation:
+    """Speculative decoding in one process: the round protocol of the nodes with the edge in process.
+
+    The ``verifier`` gives the target, the method, tau, the judge, copy mode and the seed; blocks
+    carry the drafter hiddens (fh) so that the judge sees them. chat: apply each model's chat
+    template to a text prompt (False: plain completion, e.g. code). on_commit: called with the ids
+    committed by each round (streaming). on_round: called with (block, the block's verdict, tokens
+    generated before the round) after each round (trace collection). stop_text: ends generation
+    after the round whose text makes it true (e.g. a final answer).
+    """
+    target_prompt = encode_prompt(verifier.lm.tokenizer, prompt, chat)
+    drafter_prompt = encode_prompt(drafter.lm.tokenizer, prompt, chat) if drafter.cross else target_prompt
+    if stats is None:
+        stats = DecodeStats(method=str(verifier.method), k=k, hidden_dim=drafter.lm.hidden_size, vocab_size=verifier.lm.vocab_size)
+    edge = EdgeSessions(verifier.lm, method=verifier.method, judge=verifier.judge, copy=verifier.copy,
+                        copy_max_rounds=copy_max_rounds, verifier_for=lambda: verifier)
+    policy = RobotPolicy(k=k, max_new_tokens=max_new_tokens, method=verifier.method.value, tau=verifier.tau,
+                         temperature=verifier.temperature if verifier.method == Method.REJECT else 0.0,
+                         on_edge_loss="error")
+    eos = verifier.lm.eos_ids()
+    session = RobotSession(drafter, "in-process", target_prompt, drafter_prompt, policy, InProcessLink(edge), eos,
+                           protocol_for=lambda _k, _m: "fh")
+    out: list[int] = []
+
+    def account(block: DraftBlock, reply: EdgeReply | None, n_before: int) -> None:
+        have = n_before
+        parts = [reply.verdict] + reply.copies
+        for part in parts:
+            new, _ = clip(part.committed_ids, have, max_new_tokens, eos)
+            if part.copy_round:
+                stats.observe_copy_round(accepted=part.accepted, committed=len(new), target_s=part.target_time_s)
+            else:
+                stats.observe_round(drafted=len(block.token_ids), accepted=part.accepted, committed=len(new),
+                                    mismatches=len(part.mismatches), draft_s=block.draft_time_s,
+                                    target_s=part.target_time_s, head_s=part.head_time_s)
+                if on_round is not None:
+                    on_round(block, part, n_before)
+            have += len(new)
+
+    def commit(new: list[int], _round_id: int) -> None:
+        out.extend(new)
+        if on_commit is not None:
+            on_commit(new)
+        if stop_text is not None and stop_text(_decode(verifier.lm.tokenizer, out)):
+            raise _StopText
+
+    t_start = time.perf_counter()
+    try:
+        session.run(on_commit=commit, on_round=account)
+    except _StopText:
+        pass
+    stats.wall_s = time.perf_counter() - t_start
+    return Generation(out, _decode(verifier.lm.tokenizer, out), stats)
+
+
+def generate_target_only(
+    lm: CausalLM,
+    prompt: str | list[dict] | Sequence[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+    on_commit: Callable[[list[int]], None] | None = None,
+    stats: DecodeStats | None = None,
+    chat: bool = True,
+    stop_text: Callable[[str], bool] | None = None,
+) -> Generation:
+    """Autoregressive decoding with the target alone (the baseline; one token per forward pass).
+
+    stop_text: ends generation after the token whose text makes it true, as in ``generate``.
+    """
+    prompt_ids = encode_prompt(lm.tokenizer, prompt, chat)
+    if stats is None:
+        stats = DecodeStats(method=str(Method.TARGET_ONLY), k=0, hidden_dim=lm.hidden_size, vocab_size=lm.vocab_size)
+    eos = lm.eos_ids()
+    gen = torch.Generator().manual_seed(seed)
+    lm.reset()
+    out: list[int] = []
+    todo = prompt_ids
+    t_start = time.perf_counter()
+    done = max_new_tokens <= 0
+    while not done:
+        t0 = time.perf_counter()
+        step = lm.feed(todo, n_logits=1)
+        tok, _ = pick_token(step.logits[-1], temperature, gen)
+        new, done = clip([tok], len(out), max_new_tokens, eos)
+        out.extend(new)
+        stats.observe_round(drafted=0, accepted=0, committed=len(new), mismatches=0, draft_s=0.0,
+                            target_s=time.perf_counter() - t0, head_s=0.0)
+        if on_commit is not None and new:
+            on_commit(new)
+        if stop_text is not None and not done:
+            done = stop_text(_decode(lm.tokenizer, out))
+        todo = [tok]
+    stats.wall_s = time.perf_counter() - t_start
+    return Generation(out, _decode(lm.tokenizer, out), stats)
