@@ -154,7 +154,7 @@ def _from_command(cmd: list[str]) -> dict:
 ARGUMENT_CASES = {
     "robot": [{}, {"drafter_model": DRAFTER, "target_model": "on"}],
     "edge": [{}, {"target_model": TARGET, "robot_namespace": "/robot2"}],
-    "system": [{}, {"scenario": "500mbps_5ms", "drafter_model": DRAFTER, "target_model": TARGET}],
+    "system": [{}, {"scenario": "500mbps_5ms", "drafter_model": DRAFTER, "target_model": TARGET, "autostart": "false"}],
 }
 
 
@@ -244,7 +244,19 @@ def test_executables_are_packaged():
         assert importlib.util.find_spec(spec.module) is not None
 
 
+def test_autostart_reaches_both_lifecycle_nodes():
+    """autostart:=false makes drafter_node and verifier_node wait for a lifecycle manager; the other
+    nodes are not lifecycle nodes and get nothing."""
+    cmds = {n.spec.full_name: cmd for n, cmd in build_commands("system", {"autostart": "false"}, python="python")}
+    for name, cmd in cmds.items():
+        lifecycle = name in ("/robot/drafter_node", "/edge/verifier_node")
+        assert ("autostart:=false" in cmd) == lifecycle, (name, cmd)
+    assert all("autostart" not in " ".join(c) for _n, c in build_commands("system", {}, python="python"))
+
+
 def test_bad_input_names_the_field():
+    with pytest.raises(ValueError, match="autostart: 'maybe' is not true or false"):
+        graph.resolve("robot", {"autostart": "maybe"})
     with pytest.raises(ValueError, match="scenario: '5g' is not one of"):
         graph.resolve("system", {"scenario": "5g"})
     with pytest.raises(ValueError, match="unknown launch argument.*scenario.*valid: "):

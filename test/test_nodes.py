@@ -22,7 +22,7 @@ rclpy = pytest.importorskip("rclpy")
 from wisv_ros.sd.rounds import generate_target_only  # noqa: E402
 from wisv_ros.sd.lm import CausalLM  # noqa: E402
 from wisv_ros.sd.models import load_model  # noqa: E402
-from wisv_ros.nodes.client import GenerateClient  # noqa: E402
+from wisv_ros.nodes.client import GenerateClient, wait_until_active  # noqa: E402
 from wisv_ros.nodes.common import RELIABLE_QOS  # noqa: E402
 from wisv_ros.interfaces.wire import fill_hidden  # noqa: E402
 
@@ -121,19 +121,16 @@ class Pair:
         return "\n".join(p.tail() for p in self.procs.values())
 
     def wait_verifier(self, timeout: float = START_TIMEOUT) -> None:
-        """Until the verifier answers a probe block without error (model loaded, topics matched)."""
+        """Until both lifecycle nodes are active (models loaded) and the verifier's topics matched."""
         deadline = time.monotonic() + timeout
+
+        def check(what: str) -> None:
+            assert time.monotonic() < deadline, what + "\n" + self.logs()
+
+        wait_until_active(self.ros, [f"{self.ns}/verifier_node", f"{self.ns}/drafter_node"], check)
         while self.verdicts.sub.get_publisher_count() == 0 or self.block_pub.get_subscription_count() == 0:
-            assert time.monotonic() < deadline, "verifier topics not discovered\n" + self.logs()
+            check("verifier topics not discovered")
             self.verdicts.wait_for(lambda m: False, 0.1)
-        while True:
-            rid = "probe-" + uuid.uuid4().hex[:8]
-            self.publish_block(rid, 0, [1, 2], context=PROMPT_IDS)
-            v = self.verdicts.wait_for(lambda m: m.request_id == rid, 5.0)
-            if v is not None and not v.error:
-                return
-            assert time.monotonic() < deadline, f"verifier not ready: {v.error if v else 'no verdict'}\n" + self.logs()
-            self.verdicts.wait_for(lambda m: False, 0.5)  # the model is still loading
 
     def start_goal(self, timeout: float = START_TIMEOUT, **goal) -> "Run":
         """Send a goal, retrying while the drafter rejects goals (model loading)."""
@@ -505,12 +502,82 @@ def test_channel_state_deadline_miss_is_logged(pair, ros):
     assert verifier.alive()
 
 
+def lifecycle_state(ros, name: str) -> str:
+    """The label of a lifecycle node's state (its get_state service)."""
+    from lifecycle_msgs.srv import GetState
+
+    client = ros.create_client(GetState, f"{name}/get_state")
+    try:
+        assert client.wait_for_service(timeout_sec=START_TIMEOUT), f"no {name}/get_state"
+        future = client.call_async(GetState.Request())
+        deadline = time.monotonic() + 10.0
+        while not future.done():
+            assert time.monotonic() < deadline, f"{name}/get_state did not answer"
+            time.sleep(0.02)
+        return future.result().current_state.label
+    finally:
+        ros.destroy_client(client)
+
+
+def change_state(ros, name: str, transition: str) -> bool:
+    """Trigger a lifecycle transition by its label (configure, activate, deactivate, cleanup)."""
+    from lifecycle_msgs.msg import Transition
+    from lifecycle_msgs.srv import ChangeState
+
+    client = ros.create_client(ChangeState, f"{name}/change_state")
+    try:
+        assert client.wait_for_service(timeout_sec=START_TIMEOUT), f"no {name}/change_state"
+        req = ChangeState.Request()
+        req.transition = Transition(id=getattr(Transition, f"TRANSITION_{transition.upper()}"))
+        future = client.call_async(req)
+        deadline = time.monotonic() + START_TIMEOUT
+        while not future.done():
+            assert time.monotonic() < deadline, f"{name}/change_state {transition} did not answer"
+            time.sleep(0.05)
+        return future.result().success
+    finally:
+        ros.destroy_client(client)
+
+
+def test_lifecycle_transitions_load_serve_and_release(ros, target_lm, tmp_path):
+    """autostart false: both nodes wait unconfigured (goals rejected, blocks answered "not active");
+    configure + activate by the lifecycle services make them serve; deactivate refuses again."""
+    p = Pair(ros, "/nodes_lc", tmp_path, verifier={"autostart": False}, drafter={"autostart": False})
+    try:
+        for name in ("verifier_node", "drafter_node"):
+            assert lifecycle_state(ros, f"/nodes_lc/{name}") == "unconfigured", p.logs()
+        assert p.client.wait_for_server(START_TIMEOUT)
+        with pytest.raises(RuntimeError, match="goal rejected"):
+            p.client.start(PROMPT, max_new_tokens=4)
+        while p.block_pub.get_subscription_count() == 0:
+            time.sleep(0.05)
+        p.publish_block("lc-early", 0, [1, 2], context=PROMPT_IDS)
+        early = p.verdict_for("lc-early", 0)
+        assert early is not None and "not active" in early.error, p.logs()
+        for name in ("verifier_node", "drafter_node"):
+            assert change_state(ros, f"/nodes_lc/{name}", "configure"), p.logs()
+            assert lifecycle_state(ros, f"/nodes_lc/{name}") == "inactive"
+            assert change_state(ros, f"/nodes_lc/{name}", "activate"), p.logs()
+            assert lifecycle_state(ros, f"/nodes_lc/{name}") == "active"
+        out = p.start_goal(max_new_tokens=12, k=4).outcome(GOAL_TIMEOUT)
+        assert out.status_name == "succeeded", out.result.error + "\n" + p.logs()
+        assert list(out.result.token_ids) == reference(target_lm, 12)
+        assert change_state(ros, "/nodes_lc/drafter_node", "deactivate")
+        with pytest.raises(RuntimeError, match="goal rejected"):
+            p.client.start(PROMPT, max_new_tokens=4)
+        assert change_state(ros, "/nodes_lc/drafter_node", "cleanup")
+        assert lifecycle_state(ros, "/nodes_lc/drafter_node") == "unconfigured"
+    finally:
+        p.close()
+
+
 def test_goals_are_rejected_when_the_drafter_cannot_load(ros, tmp_path):
     drafter = NodeProcess("drafter_node", "/nodes_noload", tmp_path, drafter_model="no-such-model")
     client = GenerateClient(ros, "/nodes_noload/generate")
     try:
         assert client.wait_for_server(START_TIMEOUT), drafter.tail()
         wait_log(drafter, "loading the drafter failed", START_TIMEOUT)
+        assert lifecycle_state(ros, "/nodes_noload/drafter_node") == "finalized"  # clients see the failure
         with pytest.raises(RuntimeError, match="goal rejected"):
             client.start(PROMPT, max_new_tokens=4)
         wait_log(drafter, "goal rejected: MissingModelError: unknown model 'no-such-model'", 10.0)

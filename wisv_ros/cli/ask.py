@@ -4,10 +4,9 @@
     python -m wisv_ros.cli.ask --prompt "Explain wheel odometry drift in two sentences."
     python -m wisv_ros.cli.ask --action /robot/generate --max-new-tokens 64 --k 6
 
-Before the goal it waits (at most ``--wait`` seconds) until both models are loaded: the verifier
-is asked with a one-token readiness block (request id ``ready-...``) on ``<ns>/draft_block`` until
-its verdict carries no "not loaded yet" error, and the goal is resent while the drafter rejects
-goals (model loading). Then the committed text is printed as feedback arrives, and a table with
+Before the goal it waits (at most ``--wait`` seconds) until both models are loaded: the drafter
+(``<ns>/drafter_node``) and the verifier (``--verifier``) are lifecycle nodes, active once their
+models are loaded (``finalized`` if that failed); their ``get_state`` services say which. Then the committed text is printed as feedback arrives, and a table with
 the result's tokens, rounds, AAL, latency, tokens/s and uplink/downlink bytes, plus the channel
 the robot's link monitor measured (``<ns>/channel_state``) at the end, and a warning when the
 drafter committed rounds alone (the edge was lost: that text is not verified).
@@ -20,9 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import threading
 import time
-import uuid
 
 __all__ = ["main"]
 
@@ -31,7 +28,6 @@ DEFAULT_PROMPT = ("Write a Python function clamp_velocity(vx, vy, v_max) that sc
 COLUMNS = ["tokens", "rounds", "aal", "latency_s", "tokens_per_s", "uplink_bytes", "downlink_bytes"]
 OPTIONAL_FIELDS = ("draft_time_s", "round_trip_s", "edge_time_s")
 CHANNEL_WAIT_S = 3.0  # how long to wait after the answer for a channel_state not yet received
-NOT_LOADED = "not loaded yet"  # verifier_node's verdict error while its model loads
 
 
 class _Waiter:
@@ -58,48 +54,6 @@ class _Waiter:
         if now - self._last_note >= 10.0:
             self._last_note = now
             print(f"[ask] {text} ({now - self.t0:.0f} s)", file=sys.stderr, flush=True)
-
-
-def _wait_for_verifier(node, ns: str, waiter: _Waiter) -> None:
-    """Until the verifier answers a one-token block without error (its model is loaded)."""
-    from wisv_ros.msg import DraftBlock, Verdict
-    from wisv_ros.nodes.common import RELIABLE_QOS
-
-    got: dict[str, object] = {}
-    cv = threading.Condition()
-
-    def on_verdict(msg):
-        with cv:
-            got[msg.request_id] = msg
-            cv.notify_all()
-
-    pub = node.create_publisher(DraftBlock, f"{ns}/draft_block", RELIABLE_QOS)
-    sub = node.create_subscription(Verdict, f"{ns}/verdict", on_verdict, RELIABLE_QOS)
-    try:
-        while pub.get_subscription_count() == 0 or sub.get_publisher_count() == 0:
-            waiter.check(f"no subscriber on {ns}/draft_block or no publisher on {ns}/verdict")
-            waiter.note(f"waiting for the verifier's topics ({ns}/draft_block, {ns}/verdict)")
-            time.sleep(0.2)
-        while True:
-            rid = "ready-" + uuid.uuid4().hex[:10]
-            msg = DraftBlock()
-            msg.request_id, msg.round_id, msg.k = rid, 0, 1
-            msg.token_ids, msg.context_ids, msg.prefix_length = [0], [0], 1
-            msg.method, msg.protocol = "greedy", DraftBlock.PROTOCOL_IDS
-            pub.publish(msg)
-            with cv:
-                cv.wait_for(lambda: rid in got, 3.0)
-                verdict = got.get(rid)
-            if verdict is not None and not verdict.error:
-                return
-            if verdict is not None and NOT_LOADED not in verdict.error:
-                raise RuntimeError(f"the verifier cannot verify: {verdict.error}")
-            waiter.check("the verifier's model did not load")
-            waiter.note("waiting for the verifier to load the target model")
-            time.sleep(2.0)
-    finally:
-        node.destroy_subscription(sub)
-        node.destroy_publisher(pub)
 
 
 def _start_goal(client, prompt: str, goal: dict, waiter: _Waiter):
@@ -152,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tau", type=float, default=-1.0, help="WISV threshold (< 0 = the node's default)")
     p.add_argument("--wait", type=float, default=900.0, help="seconds to wait for the models to load (default %(default)s)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for the result (default %(default)s)")
-    p.add_argument("--no-ready-check", action="store_true", help="send the goal without asking the verifier first")
+    p.add_argument("--verifier", default="/edge/verifier_node", help="the verifier's node name (default %(default)s)")
+    p.add_argument("--no-ready-check", action="store_true", help="send the goal without waiting for both nodes to be active")
     p.add_argument("--launcher-pid", type=int, default=None, help="stop waiting when this process (the launcher) exits")
     args = p.parse_args(argv)
     if args.max_new_tokens < 0 or args.k < 0:
@@ -167,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from wisv_ros.sd.metrics import format_table
     from wisv_ros.msg import ChannelState
-    from wisv_ros.nodes.client import GenerateClient, spin_in_background
+    from wisv_ros.nodes.client import GenerateClient, spin_in_background, wait_until_active
 
     # No rclpy signal handler: Ctrl-C raises KeyboardInterrupt here while the context stays up,
     # so that the running goal can still be canceled.
@@ -181,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     client = GenerateClient(node, args.action)
     try:
         if not args.no_ready_check:
-            _wait_for_verifier(node, ns.rstrip("/"), waiter)
+            wait_until_active(node, [f"{ns.rstrip('/')}/drafter_node", args.verifier], waiter.check, waiter.note)
         goal = {"max_new_tokens": args.max_new_tokens, "method": args.method, "k": args.k,
                 "protocol": args.protocol, "tau": args.tau}
         run = _start_goal(client, args.prompt, goal, waiter)

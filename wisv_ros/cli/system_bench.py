@@ -125,7 +125,8 @@ def run_scenario(scenario: str, head: tuple[str, str], configs: list[str], promp
     import rclpy
 
     from wisv_ros.nodes.client import GenerateClient, spin_in_background
-    from wisv_ros.cli.ask import _start_goal, _wait_for_verifier
+    from wisv_ros.cli.ask import _start_goal
+    from wisv_ros.nodes.client import wait_until_active
     from wisv_ros.cli.launch import Launcher, build_commands
 
     arguments = {"drafter_model": args.drafter, "target_model": args.target}
@@ -136,10 +137,8 @@ def run_scenario(scenario: str, head: tuple[str, str], configs: list[str], promp
     if scenario == DIRECT:  # the edge graph's link topics are remapped into /robot: no relay
         commands = build_commands("robot", arguments, robot_sets) + build_commands(
             "edge", {"target_model": args.target}, edge_sets)
-        verifier_ns = "/robot"
     else:
         commands = build_commands("system", dict(arguments, scenario=scenario), robot_sets + edge_sets)
-        verifier_ns = "/edge"
     log = open(log_dir / f"launch_{scenario}_{head_label}.log", "w")
     launcher = Launcher(commands, out=log)
     rows = []
@@ -150,7 +149,8 @@ def run_scenario(scenario: str, head: tuple[str, str], configs: list[str], promp
     try:
         launcher.start()
         waiter = _GraphWaiter(args.wait, launcher, log.name)
-        _wait_for_verifier(node, verifier_ns, waiter)
+        # The nodes keep their namespaces in both graphs (direct: only the edge's topics are remapped).
+        wait_until_active(node, ["/robot/drafter_node", "/edge/verifier_node"], waiter.check, waiter.note)
         client = GenerateClient(node, "/robot/generate")
         for _ in range(args.warmup):  # first passes are slow (allocations, caches): not measured
             _start_goal(client, prompts[0][0], dict(CONFIGS[configs[0]], max_new_tokens=8, k=args.k[0]),

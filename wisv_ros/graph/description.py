@@ -128,7 +128,9 @@ _ARG_TARGETS = {
     "drafter_model": (("drafter", "drafter_model"),),
     "target_model": (("drafter", "target_tokenizer_model"), ("verifier", "target_model")),
     "scenario": (("emulator", "scenario"), ("verifier", "default_channel")),
+    "autostart": (("drafter", "autostart"), ("verifier", "autostart")),
 }
+_BOOL_ARGS = {"autostart"}  # launch arguments given to the nodes as bool parameters
 _ARG_HELP = {
     "drafter_model": "drafter model spec (registry name, HF folder, .gguf, tiny-random:...); '' = the params file's",
     "target_model": "target model spec; sets the verifier's target_model and the drafter's "
@@ -136,6 +138,8 @@ _ARG_HELP = {
     "scenario": "emulated channel, one of " + ", ".join(SCENARIOS) + "; also the verifier's "
                 "default_channel; '' = the params files'",
     "robot_namespace": "namespace of the robot's nodes, into which the edge's link topics are remapped",
+    "autostart": "true: drafter_node and verifier_node (lifecycle nodes) configure and activate themselves; "
+                 "false: they wait unconfigured for a lifecycle manager; '' = the params files' (true)",
 }
 
 
@@ -208,13 +212,22 @@ def resolve(configuration: str, arguments: dict[str, str] | None = None,
         params_file = Path(values[f"{spec.key}_params_file"]).expanduser()
         if not params_file.is_file():
             raise ValueError(f"launch argument {spec.key}_params_file: {params_file} does not exist")
-        overrides = {param: values[arg] for arg, targets in _ARG_TARGETS.items()
+        overrides = {param: _arg_value(arg, values[arg]) for arg, targets in _ARG_TARGETS.items()
                      for key, param in targets if key == spec.key and values.get(arg)}
         remaps = ()
         if robot_ns is not None and spec.side == "edge":
             remaps = tuple((t, f"{robot_ns}/{t}") for t in spec.link_topics)
         nodes.append(ResolvedNode(spec, str(params_file.resolve()), overrides, remaps))
     return nodes
+
+
+def _arg_value(name: str, value: str):
+    """A launch argument's string as the parameter's type (bool arguments: true / false)."""
+    if name not in _BOOL_ARGS:
+        return value
+    if value.lower() not in ("true", "false"):
+        raise ValueError(f"launch argument {name}: {value!r} is not true or false")
+    return value.lower() == "true"
 
 
 def format_param(value) -> str:

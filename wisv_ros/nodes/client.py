@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
+from typing import Callable
 
 from action_msgs.msg import GoalStatus
 from rclpy.action import ActionClient
@@ -23,7 +25,8 @@ from rclpy.node import Node
 
 from wisv_ros.nodes.common import FEEDBACK_QOS
 
-__all__ = ["GenerateClient", "GoalRun", "Outcome", "spin_in_background"]
+__all__ = [
+    "wait_until_active","GenerateClient", "GoalRun", "Outcome", "spin_in_background"]
 
 FEEDBACK_GRACE_S = 5.0  # outcome(): wait this long at most for feedback behind the result
 
@@ -176,3 +179,33 @@ class GenerateClient:
     def generate(self, prompt: str, timeout: float | None = 120.0, **goal) -> Outcome:
         """Send a goal and wait for its outcome."""
         return self.start(prompt, **goal).outcome(timeout)
+
+
+def wait_until_active(node: Node, names: list[str], check: Callable[[str], None],
+                      note: Callable[[str], None] = lambda _text: None) -> None:
+    """Wait until every lifecycle node in ``names`` (fully qualified, e.g. ``/edge/verifier_node``)
+    reports state ``active`` on its ``get_state`` service (the drafter and the verifier are active
+    once their models are loaded). ``check(what)`` is called while waiting and raises to give up;
+    RuntimeError when a node is ``finalized`` (its model failed to load: its log says why)."""
+    from lifecycle_msgs.srv import GetState
+
+    for name in names:
+        client = node.create_client(GetState, f"{name}/get_state")
+        try:
+            while True:
+                label = ""
+                if client.wait_for_service(timeout_sec=0.5):
+                    future = client.call_async(GetState.Request())
+                    deadline = time.monotonic() + 5.0
+                    while not future.done() and time.monotonic() < deadline:
+                        time.sleep(0.02)
+                    label = future.result().current_state.label if future.done() else ""
+                if label == "active":
+                    break
+                if label == "finalized":
+                    raise RuntimeError(f"{name} is finalized: its model failed to load (see its log)")
+                check(f"{name} did not become active (state: {label or 'no answer'})")
+                note(f"waiting for {name} to load its model (state: {label or 'no answer'})")
+                time.sleep(0.5)
+        finally:
+            node.destroy_client(client)

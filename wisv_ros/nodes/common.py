@@ -9,12 +9,14 @@ from typing import Callable
 
 import rclpy
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
+from rclpy.lifecycle import LifecycleNode, TransitionCallbackReturn
 from rclpy.node import Node
 from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy
 from rclpy.serialization import serialize_message
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor, SetParametersResult
 
 __all__ = [
+    "ServingNode",
     "FEEDBACK_QOS",
     "RELIABLE_QOS",
     "check_choice",
@@ -89,6 +91,62 @@ def frozen_after_start(names: set[str], choices: dict[str, tuple[str, ...]] | No
         return SetParametersResult(successful=True)
 
     return callback
+
+
+class ServingNode(LifecycleNode):
+    """A lifecycle node that loads its model on configure and serves while active.
+
+    Transitions: ``configure`` runs ``_load()`` (True: loaded; False: ERROR, and ``on_error``
+    finalizes the node, so that its state tells clients the model failed; the log says why);
+    ``activate`` / ``deactivate`` switch ``_active``, which the subclass checks before serving;
+    ``cleanup`` and ``shutdown`` run ``_release()``. With parameter ``autostart`` true the node
+    configures and activates itself once the executor spins; with false a lifecycle manager
+    (``ros2 lifecycle set``, nav2_lifecycle_manager) drives the transitions.
+    """
+
+    _active = False
+
+    def _load(self) -> bool:
+        raise NotImplementedError
+
+    def _release(self) -> None:
+        raise NotImplementedError
+
+    def on_configure(self, _state) -> TransitionCallbackReturn:
+        return TransitionCallbackReturn.SUCCESS if self._load() else TransitionCallbackReturn.ERROR
+
+    def on_activate(self, _state) -> TransitionCallbackReturn:
+        self._active = True
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_deactivate(self, _state) -> TransitionCallbackReturn:
+        self._active = False
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_cleanup(self, _state) -> TransitionCallbackReturn:
+        self._release()
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_shutdown(self, _state) -> TransitionCallbackReturn:
+        self._active = False
+        self._release()
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_error(self, _state) -> TransitionCallbackReturn:
+        return TransitionCallbackReturn.FAILURE
+
+    def autostart(self) -> None:
+        """Declare ``autostart``; if true, configure and activate once the executor spins."""
+        if not declare(self, "autostart", True, "configure (load the model) and activate at start; false: wait for a "
+                       "lifecycle manager (ros2 lifecycle set <node> configure, then activate)"):
+            return
+
+        def start() -> None:
+            self.destroy_timer(timer)
+            if self.trigger_configure() == TransitionCallbackReturn.SUCCESS:
+                self.trigger_activate()
+
+        timer = self.create_timer(0.01, start)
 
 
 def msg_bytes(msg) -> int:

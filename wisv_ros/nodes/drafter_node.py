@@ -35,14 +35,12 @@ import time
 import uuid
 
 from rclpy.action import ActionServer, CancelResponse, GoalResponse
-from rclpy.node import Node
 
-from wisv_ros.interfaces.convert import HIDDEN_WIRE_DTYPE
-from wisv_ros.interfaces.wire import WireError, fill_hidden, text_to_ids
+from wisv_ros.interfaces.wire import WireError, text_to_ids
 from wisv_ros.link.channel import ChannelState as LinkChannel
 from wisv_ros.nodes.transport import DdsLink
-from wisv_ros.nodes.common import (FEEDBACK_QOS, RELIABLE_QOS, check_choice, declare, frozen_after_start, msg_bytes,
-                                   offload, run_node, stamp_now)
+from wisv_ros.nodes.common import (FEEDBACK_QOS, RELIABLE_QOS, ServingNode, check_choice, declare, frozen_after_start,
+                                   offload, run_node)
 from wisv_ros.sd.drafting import Drafter, encode_prompt, same_vocabulary
 from wisv_ros.sd.models import load_tokenizer
 from wisv_ros.sd.rounds import EDGE_LOSS, EdgeLost, RobotPolicy, RobotSession, protocol_chooser
@@ -54,7 +52,7 @@ METHODS = (Method.GREEDY.value, Method.REJECT.value, Method.WISV.value)
 PROTOCOLS = ("ids", "fh", "sh", "adaptive")
 
 
-class DrafterNode(Node):
+class DrafterNode(ServingNode):
     def __init__(self, **kwargs):
         super().__init__("drafter_node", **kwargs)
         from wisv_ros.sd.models import DEFAULT_DRAFTER
@@ -66,7 +64,7 @@ class DrafterNode(Node):
                 "the target model's spec, whose tokenizer the robot needs for cross-tokenizer pairs; '' = same vocabulary as the drafter")
         declare(self, "k", p.k, "default draft block size K (tokens)", lo=1, hi=256)
         declare(self, "method", p.method, "default acceptance rule", choices=METHODS)
-        declare(self, "protocol", "adaptive", "default upload protocol (adaptive: ids for greedy/reject, fh or sh by channel for wisv)", choices=PROTOCOLS)
+        declare(self, "protocol", p.protocol, "default upload protocol (adaptive: ids for greedy/reject, fh or sh by channel for wisv)", choices=PROTOCOLS)
         declare(self, "tau", 0.02, "default WISV threshold (chosen on held-out problems, docs/wisv.md) (0 = greedy, > 1 accepts every draft)", lo=0.0, hi=10.0)
         declare(self, "temperature", p.temperature, "drafter sampling temperature (0 = greedy; reject needs > 0)", lo=0.0, hi=10.0)
         declare(self, "min_confidence", 0.6, "end a block early after a draft token below this drafter probability (0 = always K)", lo=0.0, hi=0.999)
@@ -99,7 +97,7 @@ class DrafterNode(Node):
         self._block_pub = self.create_publisher(DraftBlock, "draft_block", RELIABLE_QOS)
         self._reply_pub = self.create_publisher(HiddenReply, "hidden_reply", RELIABLE_QOS)
         self.create_subscription(Verdict, "verdict", self._on_verdict, RELIABLE_QOS)
-        self.create_subscription(HiddenRequest, "hidden_request", self._on_hidden_request, RELIABLE_QOS)
+        self.create_subscription(HiddenRequest, "hidden_request", lambda m: self._link.answer_hidden_request(m), RELIABLE_QOS)
         self.create_subscription(ChannelState, "channel_state", self._on_channel_state, RELIABLE_QOS)
         self._action = ActionServer(self, Generate, "generate", self._execute, goal_callback=self._on_goal,
                                     cancel_callback=lambda _req: CancelResponse.ACCEPT, feedback_pub_qos_profile=FEEDBACK_QOS)
@@ -109,16 +107,18 @@ class DrafterNode(Node):
         self._goal_lock = threading.Lock()
         self._link = DdsLink(self)
         self._request_ids: collections.deque[str] = collections.deque(maxlen=64)  # recent requests of this node
-        self._last_block: tuple | None = None  # (request_id, round_id, hiddens) for hidden requests
         self._channel: LinkChannel | None = None
         self._mean_mismatch = 0.0  # rejected draft positions per block, carried across requests
-        threading.Thread(target=self._load, name="load_model", daemon=True).start()
+        self.autostart()
 
     # ------------------------------------------------------------------ parameters and loading
     def _param(self, name):
         return self.get_parameter(name).value
 
-    def _load(self) -> None:
+    def _release(self) -> None:
+        self._lm = self._target_tok = None
+
+    def _load(self) -> bool:
         try:
             import torch
 
@@ -139,14 +139,16 @@ class DrafterNode(Node):
             self._lm, self._target_tok = lm, target_tok
             self.get_logger().info(f"drafter {spec} loaded in {time.perf_counter() - t0:.1f} s"
                                    + (f"; cross-tokenizer with {target_spec}" if target_tok is not None else ""))
+            return True
         except Exception as exc:  # reported on every goal; the node stays up
             self._load_error = f"{type(exc).__name__}: {exc}"
             self.get_logger().error(f"loading the drafter failed: {self._load_error}")
+            return False
 
     # ------------------------------------------------------------------ action
     def _on_goal(self, _goal) -> GoalResponse:
-        if self._lm is None:
-            why = self._load_error or f"drafter model {self._param('drafter_model')} is still loading"
+        if not self._active:
+            why = self._load_error or f"drafter_node is not active (drafter model {self._param('drafter_model')} not loaded yet)"
             self.get_logger().warning(f"goal rejected: {why}")
             return GoalResponse.REJECT
         return GoalResponse.ACCEPT
@@ -154,30 +156,15 @@ class DrafterNode(Node):
     def _policy(self, goal) -> RobotPolicy:
         """Goal fields over parameter defaults, validated (ValueError names the field)."""
         p = RobotPolicy(
-            method=goal.method or self._param("method"),
+            method=goal.method or self._param("method"), protocol=goal.protocol or self._param("protocol"),
             k=int(goal.k) or int(self._param("k")),
             tau=float(goal.tau) if goal.tau >= 0 else float(self._param("tau")),
             max_new_tokens=int(goal.max_new_tokens) or int(self._param("max_new_tokens")),
             temperature=float(goal.temperature) if goal.temperature >= 0 else float(self._param("temperature")),
             **{name: self._param(name) for name in ("verdict_timeout_s", "first_verdict_timeout_s", "verdict_retries",
                                                     "on_edge_loss", "edge_retry_s")})
-        protocol = goal.protocol or self._param("protocol")
-        if p.method not in METHODS:
-            raise ValueError(f"method '{p.method}' is not served by drafter_node; use one of {', '.join(METHODS)}")
-        if protocol not in PROTOCOLS:
-            raise ValueError(f"protocol '{protocol}' is not one of {', '.join(PROTOCOLS)}")
-        if not 1 <= p.k <= 256:
-            raise ValueError(f"k must be in [1, 256], got {p.k}")
-        if not 0 <= p.temperature <= 10:
-            raise ValueError(f"temperature must be in [0, 10], got {p.temperature}")
-        if p.method == "reject":
-            if p.temperature <= 0:
-                raise ValueError("method reject samples: give the goal (or the drafter_node parameter) a temperature > 0")
-            if protocol in ("fh", "sh"):
-                raise ValueError("method reject uploads the drafter distributions: use protocol ids or adaptive")
-            if self._target_tok is not None:
-                raise ValueError("method reject needs one vocabulary; this drafter drafts across tokenizers")
-        self._goal_protocol = protocol
+        if p.method == "reject" and self._target_tok is not None:
+            raise ValueError("method reject needs one vocabulary; this drafter drafts across tokenizers")
         return p
 
     async def _execute(self, goal_handle):
@@ -233,7 +220,7 @@ class DrafterNode(Node):
         self._request_ids.append(request_id)
         log = lambda level, text: getattr(self.get_logger(), level)(text)  # noqa: E731
         return RobotSession(drafter, request_id, t_prompt, d_prompt, policy, self._link, self._eos(),
-                            protocol_for=protocol_chooser(self._goal_protocol, policy.method, self._lm.hidden_size, lambda: self._channel),
+                            protocol_for=protocol_chooser(policy.protocol, policy.method, self._lm.hidden_size, lambda: self._channel),
                             log=log, mean_mismatch=self._mean_mismatch)
 
     def _fill_result(self, result, out: list[int], res, latency: float) -> None:
@@ -282,23 +269,6 @@ class DrafterNode(Node):
             self.get_logger().info(f"ignoring a stale or duplicate verdict: request {msg.request_id} round {msg.round_id}")
         else:  # another drafter's request on the same topic
             self.get_logger().debug(f"ignoring a verdict for request {msg.request_id} (not ours)")
-
-    def _on_hidden_request(self, msg) -> None:
-        last = self._last_block
-        if last is None or (last[0], last[1]) != (msg.request_id, msg.round_id):
-            self.get_logger().warning(f"hidden request for request {msg.request_id} round {msg.round_id}: not the last block; ignored")
-            return
-        hidden = last[2]
-        positions = [int(p) for p in msg.positions]
-        if any(not 0 <= p < hidden.shape[0] for p in positions):
-            self.get_logger().warning(f"hidden request positions {positions} outside the block of {hidden.shape[0]}; ignored")
-            return
-        reply = self._HiddenReply()
-        stamp_now(self, reply.header)
-        reply.request_id, reply.round_id = msg.request_id, msg.round_id
-        fill_hidden(reply.hidden, hidden[positions], positions, HIDDEN_WIRE_DTYPE)
-        self._link.count(up=msg_bytes(reply), down=msg_bytes(msg), hidden_requests=1)
-        self._reply_pub.publish(reply)
 
     def _on_channel_state(self, msg) -> None:
         try:

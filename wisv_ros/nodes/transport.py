@@ -7,8 +7,8 @@ import time
 
 import numpy as np
 
-from wisv_ros.interfaces.convert import fill_block, read_verdict
-from wisv_ros.interfaces.wire import WireError, read_hidden
+from wisv_ros.interfaces.convert import HIDDEN_WIRE_DTYPE, fill_block, read_verdict
+from wisv_ros.interfaces.wire import WireError, fill_hidden, read_hidden
 from wisv_ros.nodes.common import msg_bytes, stamp_now
 from wisv_ros.sd.rounds import BlockRequest, EdgeReply
 
@@ -25,6 +25,7 @@ class DdsLink:
         self.awaiting: tuple[str, int] | None = None
         self.verdict = None
         self.totals = {"up": 0, "down": 0, "round_trip_s": 0.0, "hidden_requests": 0}
+        self.last_block: tuple | None = None  # (request_id, round_id, hiddens) of the block in flight
 
     def exchange(self, req: BlockRequest, timeout_s: float) -> EdgeReply | None:
         node = self.node
@@ -33,7 +34,7 @@ class DdsLink:
         fill_block(msg, req)
         with self.cv:
             self.awaiting, self.verdict = (req.request_id, req.round_id), None
-            node._last_block = (req.request_id, req.round_id, req.hidden)
+            self.last_block = (req.request_id, req.round_id, req.hidden)
         self.count(up=msg_bytes(msg))
         t0 = time.perf_counter()
         node._block_pub.publish(msg)
@@ -58,6 +59,24 @@ class DdsLink:
                 self.cv.notify_all()
                 return True
         return False
+
+    def answer_hidden_request(self, msg) -> None:
+        """SH, robot side: send the asked rows of the last block's hiddens (HiddenReply)."""
+        node, last = self.node, self.last_block
+        if last is None or (last[0], last[1]) != (msg.request_id, msg.round_id):
+            node.get_logger().warning(f"hidden request for request {msg.request_id} round {msg.round_id}: not the last block; ignored")
+            return
+        hidden = last[2]
+        positions = [int(p) for p in msg.positions]
+        if any(not 0 <= p < hidden.shape[0] for p in positions):
+            node.get_logger().warning(f"hidden request positions {positions} outside the block of {hidden.shape[0]}; ignored")
+            return
+        reply = node._HiddenReply()
+        stamp_now(node, reply.header)
+        reply.request_id, reply.round_id = msg.request_id, msg.round_id
+        fill_hidden(reply.hidden, hidden[positions], positions, HIDDEN_WIRE_DTYPE)
+        self.count(up=msg_bytes(reply), down=msg_bytes(msg), hidden_requests=1)
+        node._reply_pub.publish(reply)
 
     def count(self, up: int = 0, down: int = 0, hidden_requests: int = 0) -> None:
         with self.cv:

@@ -37,14 +37,13 @@ import queue
 import threading
 import time
 
-from rclpy.node import Node
 
 from wisv_ros.interfaces.convert import fill_verdict, read_block
 from wisv_ros.interfaces.wire import WireError
 from wisv_ros.link.channel import SCENARIOS
 from wisv_ros.link.channel import ChannelState as LinkChannel
 from wisv_ros.nodes.transport import HiddenFetch
-from wisv_ros.nodes.common import RELIABLE_QOS, declare, frozen_after_start, msg_bytes, run_node, stamp_age_s, stamp_now
+from wisv_ros.nodes.common import RELIABLE_QOS, ServingNode, declare, frozen_after_start, msg_bytes, run_node, stamp_age_s, stamp_now
 from wisv_ros.sd.models import WEIGHT_DTYPES, resolve_dtype
 from wisv_ros.sd.rounds import EdgeReply, EdgeSessions
 from wisv_ros.sd.verification import Method
@@ -55,7 +54,7 @@ COPY_MODES = ("off", "ngram", "probe")
 METHODS = ("greedy", "reject", "wisv")
 
 
-class VerifierNode(Node):
+class VerifierNode(ServingNode):
     def __init__(self, **kwargs):
         super().__init__("verifier_node", **kwargs)
         from wisv_ros.sd.models import DEFAULT_TARGET
@@ -109,14 +108,17 @@ class VerifierNode(Node):
         self._load_error: str | None = None
         self._channel: LinkChannel | None = None  # latest channel state (input of the WISV head)
         self._hiddens = HiddenFetch(self)  # SH: drafter hiddens on request
-        threading.Thread(target=self._load, name="load_model", daemon=True).start()
         self._verify_thread = threading.Thread(target=self._verify_loop, name="verify", daemon=True)
         self._verify_thread.start()
+        self.autostart()
 
     def _param(self, name):
         return self.get_parameter(name).value
 
-    def _load(self) -> None:
+    def _release(self) -> None:
+        self._edge = None  # the target and every request's session
+
+    def _load(self) -> bool:
         try:
             import torch
 
@@ -156,9 +158,11 @@ class VerifierNode(Node):
                                       copy_max_rounds=int(self._param("copy_max_rounds")))
             self.get_logger().info(f"target {spec} ({dtype}) loaded and warmed up in {time.perf_counter() - t0:.1f} s"
                                    + (f"; decision head {head_path}" if head_path else "; no decision head"))
+            return True
         except Exception as exc:
             self._load_error = f"{type(exc).__name__}: {exc}"
             self.get_logger().error(f"loading the target failed: {self._load_error}")
+            return False
 
     def _reject_all(self, _drafter_hidden, positions, _target_hidden):
         """The judge without a head: every mismatch is rejected (wisv = greedy)."""
@@ -224,12 +228,13 @@ class VerifierNode(Node):
     def _on_block(self, msg, t_recv: float) -> None:
         uplink_s = stamp_age_s(self, msg.header.stamp)
         sh = self._hiddens.new_round()
-        edge = self._edge
+        edge = self._edge if self._active else None
         if edge is not None:  # parameters that may change while the node runs
             edge.method, edge.max_requests = Method(self._param("method")), int(self._param("max_requests"))
             edge.copy_max_rounds, edge.seed = int(self._param("copy_max_rounds")), int(self._param("seed"))
         if edge is None:
-            reply = EdgeReply(msg.request_id, int(msg.round_id), error=self._load_error or "target model not loaded yet")
+            reply = EdgeReply(msg.request_id, int(msg.round_id),
+                              error=self._load_error or "verifier_node is not active: target model not loaded yet")
         else:
             try:
                 reply = edge.handle(read_block(msg, edge.lm.vocab_size), fetch_hidden=self._hiddens.fetch)

@@ -358,6 +358,7 @@ class RobotPolicy:
     k: int = 8
     max_new_tokens: int = 128
     method: str = "greedy"
+    protocol: str = "adaptive"  # ids | fh | sh | adaptive (see protocol_chooser)
     tau: float = 0.0
     temperature: float = 0.0
     verdict_timeout_s: float = 5.0
@@ -367,10 +368,23 @@ class RobotPolicy:
     edge_retry_s: float = 2.0
 
     def __post_init__(self) -> None:
+        """ValueError naming the field of a request the robot cannot run."""
+        methods = (Method.GREEDY.value, Method.REJECT.value, Method.WISV.value)
+        if self.method not in methods:
+            raise ValueError(f"method '{self.method}' is not served by drafter_node (the robot side); use one of {', '.join(methods)}")
+        if self.protocol not in PROTOCOLS + ("adaptive",):
+            raise ValueError(f"protocol '{self.protocol}' is not one of {', '.join(PROTOCOLS + ('adaptive',))}")
         if self.on_edge_loss not in EDGE_LOSS:
             raise ValueError(f"on_edge_loss: '{self.on_edge_loss}' is not one of {', '.join(EDGE_LOSS)}")
-        if self.k < 1:
-            raise ValueError(f"k: must be >= 1, got {self.k}")
+        if not 1 <= self.k <= 256:
+            raise ValueError(f"k must be in [1, 256], got {self.k}")
+        if not 0 <= self.temperature <= 10:
+            raise ValueError(f"temperature must be in [0, 10], got {self.temperature}")
+        if self.method == Method.REJECT.value:
+            if self.temperature <= 0:
+                raise ValueError("method reject samples: give the goal (or the drafter_node parameter) a temperature > 0")
+            if self.protocol in ("fh", "sh"):
+                raise ValueError("method reject uploads the drafter distributions: use protocol ids or adaptive")
 
 
 @dataclasses.dataclass
