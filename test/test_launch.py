@@ -184,7 +184,7 @@ def test_configurations_hold_the_documented_nodes(monkeypatch):
     # ... and the lone edge meets the robot's topics directly; in `system` the emulator relays them.
     edge_remaps = {kw["name"]: dict(kw["remappings"]) for kw in load_launch_file("edge", monkeypatch)[1]}
     assert edge_remaps["verifier_node"]["draft_block"] == "/robot/draft_block"
-    assert edge_remaps["link_monitor"]["link_probe_echo"] == "/robot/link_probe_echo"
+    assert edge_remaps["link_monitor"]["link_ping_echo"] == "/robot/link_ping_echo"
     assert all(not kw["remappings"] for kw in load_launch_file("system", monkeypatch)[1])
 
 
@@ -206,7 +206,7 @@ def test_parameter_files_hold_the_demo_defaults():
     assert params["link_emulator.yaml"]["scenario"] == "20mbps_50ms"
     assert params["verifier.yaml"]["default_channel"] == "20mbps_50ms"
     assert params["link_monitor_robot.yaml"]["role"] == "robot" and params["link_monitor_edge.yaml"]["role"] == "edge"
-    assert params["link_monitor_robot.yaml"]["probe_qos"] == params["link_monitor_edge.yaml"]["probe_qos"]
+    assert params["link_monitor_robot.yaml"]["ping_qos"] == params["link_monitor_edge.yaml"]["ping_qos"]
     for f in files:  # every parameter has a comment
         for line in (ROOT / "config" / f).read_text().splitlines():
             if re.match(r"^\s{4}\w+:", line):
@@ -225,8 +225,8 @@ def test_link_topics_are_the_emulators_and_cover_the_nodes():
     robot = {t for s in graph.node_specs("robot") for t in s.link_topics}
     edge = {t for s in graph.node_specs("edge") for t in s.link_topics}
     assert link == robot and link - {"channel_state"} <= edge and "channel_state" in edge
-    # The probes are best-effort in the monitors' parameter files and in the emulator.
-    assert set(emu.DEFAULT_BEST_EFFORT_TOPICS) == {"link_probe", "link_probe_echo"}
+    # The pings are best-effort in the monitors' parameter files and in the emulator.
+    assert set(emu.DEFAULT_BEST_EFFORT_TOPICS) == {"link_ping", "link_ping_echo"}
     emu_params = yaml.safe_load((ROOT / "config" / "link_emulator.yaml").read_text())["/**/link_emulator"]["ros__parameters"]
     assert (emu_params["robot_namespace"], emu_params["edge_namespace"]) == (graph.ROBOT_NS, graph.EDGE_NS)
 
@@ -268,13 +268,13 @@ def test_bad_input_names_the_field():
     with pytest.raises(ValueError, match="configuration 'robots' is not one of"):
         graph.node_specs("robots")
     with pytest.raises(ValueError, match="'link_monitor' is ambiguous"):
-        parse_sets("system", ["link_monitor.probe_period_s:=0.5"])
+        parse_sets("system", ["link_monitor.ping_period_s:=0.5"])
     with pytest.raises(ValueError, match="not a node of configuration 'robot'"):
         parse_sets("robot", ["verifier.threads:=2"])
     with pytest.raises(ValueError, match="expected <node>.<param>:=<value>"):
         parse_sets("robot", ["drafter.k=4"])
-    assert parse_sets("system", ["/edge/link_monitor.probe_qos:=reliable", "drafter.k:=4"]) == {
-        "monitor_edge": [("probe_qos", "reliable")], "drafter": [("k", "4")]}
+    assert parse_sets("system", ["/edge/link_monitor.ping_qos:=reliable", "drafter.k:=4"]) == {
+        "monitor_edge": [("ping_qos", "reliable")], "drafter": [("k", "4")]}
 
 
 def test_string_parameters_survive_the_command_line():

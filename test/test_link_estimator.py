@@ -1,5 +1,5 @@
 """Tests for wisv_ros.link.estimator (pure Python, no ROS): synthetic timings, then the
-estimator driven by the link emulator (probes and echoes timed by LinkEmulator)."""
+estimator driven by the link emulator (pings and echoes timed by LinkEmulator)."""
 
 import math
 
@@ -8,9 +8,9 @@ import pytest
 
 from wisv_ros.link.emulator import Direction, LinkEmulator
 from wisv_ros.link.channel import ChannelState, ChannelTrace, scenario
-from wisv_ros.link.estimator import LinkEstimator, ProbeKind
+from wisv_ros.link.estimator import LinkEstimator, PingKind
 
-SMALL, LARGE = ProbeKind.SMALL, ProbeKind.LARGE
+SMALL, LARGE = PingKind.SMALL, PingKind.LARGE
 
 
 def feed(est, seq, kind, sent, rtt):
@@ -18,7 +18,7 @@ def feed(est, seq, kind, sent, rtt):
     return est.on_echo(seq, sent + rtt)
 
 
-def test_rtt_is_the_fast_cluster_of_small_probes_and_rate_comes_from_the_large_excess():
+def test_rtt_is_the_fast_cluster_of_small_pings_and_rate_comes_from_the_large_excess():
     est = LinkEstimator(small_bytes=0, large_bytes=50_000)
     assert est.estimate() is None
     assert feed(est, 0, SMALL, 0.0, 0.050) == pytest.approx(0.050)
@@ -35,7 +35,7 @@ def test_rtt_is_the_fast_cluster_of_small_probes_and_rate_comes_from_the_large_e
     assert e.measured_at == pytest.approx(0.472)
 
 
-def test_rate_uses_the_fastest_of_the_recent_large_probes():
+def test_rate_uses_the_fastest_of_the_recent_large_pings():
     est = LinkEstimator(small_bytes=0, large_bytes=10_000, rate_window=3)
     feed(est, 0, SMALL, 0.0, 0.010)
     for seq, extra in enumerate([0.100, 0.004, 0.090], start=1):  # two of them retransmitted
@@ -55,7 +55,7 @@ def test_rtt_filter_ignores_middleware_jitter_above_the_fast_cluster():
     assert est.per == 0.0  # jitter below the late margin (0.75 RTT) is not loss
 
 
-def test_late_small_probes_are_losses_and_stay_out_of_the_rtt():
+def test_late_small_pings_are_losses_and_stay_out_of_the_rtt():
     est = LinkEstimator(per_window=10, shift_count=3)
     rtts = [0.02] * 4 + [0.06] + [0.02] * 4 + [0.06]  # 2 of 10 came late (retransmitted)
     for seq, r in enumerate(rtts):
@@ -65,7 +65,7 @@ def test_late_small_probes_are_losses_and_stay_out_of_the_rtt():
     assert est.per == pytest.approx(1 - math.sqrt(1 - q))
 
 
-def test_a_run_of_late_probes_is_a_level_shift_not_loss():
+def test_a_run_of_late_pings_is_a_level_shift_not_loss():
     est = LinkEstimator(per_window=20, shift_count=3)
     for seq in range(5):
         feed(est, seq, SMALL, float(seq), 0.010)
@@ -90,7 +90,7 @@ def test_a_stall_that_fakes_a_level_shift_is_undone_by_the_next_normal_sample():
     assert est.rtt_s == pytest.approx(0.051)
 
 
-def test_best_effort_mode_counts_only_probes_that_never_came_back():
+def test_best_effort_mode_counts_only_pings_that_never_came_back():
     est = LinkEstimator(per_window=10, timeout_s=1.0, per_from_late=False)
     for seq, r in enumerate([0.02] * 4 + [0.06] + [0.02] * 3):  # one late: jitter, not loss
         feed(est, seq, SMALL, float(seq), r)
@@ -102,7 +102,7 @@ def test_best_effort_mode_counts_only_probes_that_never_came_back():
     assert est.per == pytest.approx(1 - math.sqrt(1 - 0.1))
 
 
-def test_timed_out_probes_count_as_lost_and_late_echoes_are_ignored():
+def test_timed_out_pings_count_as_lost_and_late_echoes_are_ignored():
     est = LinkEstimator(per_window=4, timeout_s=1.0)
     feed(est, 0, SMALL, 0.0, 0.01)
     est.on_sent(1, SMALL, 1.0)
@@ -134,13 +134,13 @@ def test_validation_names_the_field(kwargs, field):
 
 # --------------------------------------------------------------------------- with the emulator
 
-HEADER_BYTES = 40  # rough CDR size of a LinkProbe without padding
+HEADER_BYTES = 40  # rough CDR size of a LinkPing without padding
 
 
 def simulate(emu, est, duration_s, period_s=0.2, t0=0.0, reliable=True):
-    """Alternate small/large probes every period_s; the echo (no padding) comes back down.
+    """Alternate small/large pings every period_s; the echo (no padding) comes back down.
 
-    ``reliable=False``: best-effort probes, a lost one never comes back. Returns
+    ``reliable=False``: best-effort pings, a lost one never comes back. Returns
     [(echo time, rtt estimate, rate estimate, per estimate)] after each echo.
     """
     events = []
@@ -175,16 +175,16 @@ def test_estimates_match_the_emulated_scenario(name):
     est = LinkEstimator(small_bytes=0, large_bytes=64_000)
     history = simulate(emu, est, duration_s=30.0)
     settled = np.array([h[1:] for h in history if h[0] > 5.0])
-    rtt_small_probe = truth.rtt_s + 2 * 8 * HEADER_BYTES / truth.rate_bps
-    assert np.median(settled[:, 0]) == pytest.approx(rtt_small_probe, rel=0.02)
+    rtt_small_ping = truth.rtt_s + 2 * 8 * HEADER_BYTES / truth.rate_bps
+    assert np.median(settled[:, 0]) == pytest.approx(rtt_small_ping, rel=0.02)
     assert np.all(np.abs(settled[:, 1] / truth.rate_bps - 1) < 0.05)
     assert np.all(settled[:, 2] < 0.05)
 
 
-def test_per_estimate_from_late_probes_converges():
+def test_per_estimate_from_late_pings_converges():
     truth = ChannelState(rate_bps=20e6, per=0.05, rtt_s=0.02)
     emu = LinkEmulator(truth, seed=5)
-    # A 64 kB probe (43 packets) gets through loss-free with p = 0.95^43 = 11 %: the rate
+    # A 64 kB ping (43 packets) gets through loss-free with p = 0.95^43 = 11 %: the rate
     # window must be long enough to hold one (1 - 0.89^40 = 99 %).
     est = LinkEstimator(per_window=1000, rate_window=40)
     history = simulate(emu, est, duration_s=400.0)
@@ -195,7 +195,7 @@ def test_per_estimate_from_late_probes_converges():
     assert short.rate_bps < 0.9 * truth.rate_bps  # too short a window: retransmissions show
 
 
-def test_per_from_best_effort_probes_converges_and_rate_is_unbiased():
+def test_per_from_best_effort_pings_converges_and_rate_is_unbiased():
     truth = ChannelState(rate_bps=20e6, per=0.02, rtt_s=0.05)
     emu = LinkEmulator(truth, seed=9)
     est = LinkEstimator(per_window=1000, per_from_late=False)
@@ -213,7 +213,7 @@ def test_rtt_and_rate_steps_are_followed():
     history = simulate(emu, est, duration_s=12.0)
     rtt_mid = (before.rtt_s + after.rtt_s) / 2
     crossed = [t for t, rtt, _, _ in history if t > 5.0 and rtt > rtt_mid]
-    # 3 small probes (one every 0.4 s) make a level shift.
+    # 3 small pings (one every 0.4 s) make a level shift.
     assert crossed and crossed[0] < 5.0 + 1.5
     final = history[-1]
     assert final[1] == pytest.approx(after.rtt_s, rel=0.05)

@@ -4,7 +4,7 @@ Three graphs run side by side, each in its own namespace prefix (emulator, robot
 echo): two fixed scenarios and one trace with an RTT step. The test process reads each
 ``<prefix>/robot/channel_state`` and compares the measured estimates with the emulated truth.
 tools/test.sh sets a test-specific ROS_DOMAIN_ID. Truth vs measurement: the monitor measures the
-whole path, so the middleware's own latency (a few ms for the four DDS hops of a probe round
+whole path, so the middleware's own latency (a few ms for the four DDS hops of a ping round
 trip) is included; the scenarios here have RTTs >= 50 ms so that 20 % covers it. Rates of
 hundreds of Mbit/s and RTTs of 5 ms cannot be measured within 20 % over loopback DDS (the
 middleware's own per-byte cost and latency dominate), so they are not asserted here; the pure
@@ -36,7 +36,7 @@ from wisv_ros.nodes.link_monitor_node import STATE_QOS  # noqa: E402
 
 DISCOVERY_TIMEOUT_S = 30.0  # nine Python processes start at once on a small machine
 SETTLE_S = 8.0  # estimates in the first seconds after the first one are not judged: the
-# monitor's RTT window (16 small probes, one every 0.4 s) fills in 6.4 s
+# monitor's RTT window (16 small pings, one every 0.4 s) fills in 6.4 s
 JUDGE_S = 4.0  # ... then this long is judged
 TOLERANCE = 0.20
 
@@ -245,11 +245,11 @@ def test_nodes_exit_cleanly_on_sigint(graphs):
 def test_topic_specs_parse_and_bad_ones_are_rejected():
     from wisv_ros.nodes.link_emulator_node import DEFAULT_DOWNLINK_TOPICS, parse_topic_spec
 
-    name, msg_type = parse_topic_spec("link_probe:wisv_ros/msg/LinkProbe")
-    assert name == "link_probe" and msg_type.__name__ == "LinkProbe"
+    name, msg_type = parse_topic_spec("link_ping:wisv_ros/msg/LinkPing")
+    assert name == "link_ping" and msg_type.__name__ == "LinkPing"
     assert [parse_topic_spec(s)[0] for s in DEFAULT_DOWNLINK_TOPICS] == [
-        "verdict", "hidden_request", "link_probe_echo"]
-    for bad in ["link_probe", "/abs:wisv_ros/msg/LinkProbe", "x:wisv_ros/LinkProbe",
+        "verdict", "hidden_request", "link_ping_echo"]
+    for bad in ["link_ping", "/abs:wisv_ros/msg/LinkPing", "x:wisv_ros/LinkPing",
                 "x:wisv_ros/msg/NoSuchType"]:
         with pytest.raises(ValueError, match="topic spec"):
             parse_topic_spec(bad)

@@ -124,8 +124,9 @@ do_interfaces() {
   local site
   site="$(site_packages)"
   rm -rf "$BUILD"
-  # Generated modules of a previous build (msg/ or action/ files may have been removed).
-  rm -rf "$site/wisv_ros" "$site"/wisv_ros-*.egg-info
+  # Generated modules and installed definitions of a previous build (msg/ or action/ files may
+  # have been removed or renamed).
+  rm -rf "$site/wisv_ros" "$site"/wisv_ros-*.egg-info "$VENV/share/wisv_ros/msg" "$VENV/share/wisv_ros/action"
   CMAKE_PREFIX_PATH="$VENV" AMENT_PREFIX_PATH="$VENV" cmake -S "$ROOT" -B "$BUILD" \
     -DCMAKE_INSTALL_PREFIX="$VENV" -DPython3_EXECUTABLE="$VENV/bin/python" \
     -DBUILD_TESTING=OFF -DWISV_INSTALL_PYTHON_PACKAGE=OFF

@@ -19,7 +19,7 @@ Configurations:
 
 Link topics (robot -> edge: :data:`UPLINK_TOPICS`, edge -> robot: :data:`DOWNLINK_TOPICS`) are the
 link emulator's default relay lists. ``channel_state`` is published by the robot's monitor, which
-probes the (emulated) link; the drafter reads it in ``/robot`` and the verifier reads the relayed
+pings the (emulated) link; the drafter reads it in ``/robot`` and the verifier reads the relayed
 copy in ``/edge``. ``round_stats`` stays on the edge.
 
 Launch arguments (:func:`launch_arguments`) are strings, as in ``ros2 launch``; an empty model
@@ -57,8 +57,8 @@ EDGE_NS = "/edge"
 CONFIGURATIONS = ("robot", "edge", "system")
 
 #: robot -> edge and edge -> robot topics (relative names), as relayed by link_emulator_node.
-UPLINK_TOPICS = ("draft_block", "hidden_reply", "channel_state", "link_probe")
-DOWNLINK_TOPICS = ("verdict", "hidden_request", "link_probe_echo")
+UPLINK_TOPICS = ("draft_block", "hidden_reply", "channel_state", "link_ping")
+DOWNLINK_TOPICS = ("verdict", "hidden_request", "link_ping_echo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,11 +110,11 @@ class ResolvedNode:
 _DRAFTER = NodeSpec("drafter", "drafter_node", "drafter_node", ROBOT_NS, "drafter.yaml", "robot",
                     ("draft_block", "hidden_reply", "channel_state", "verdict", "hidden_request"))
 _MONITOR_ROBOT = NodeSpec("monitor_robot", "link_monitor_node", "link_monitor", ROBOT_NS,
-                          "link_monitor_robot.yaml", "robot", ("link_probe", "link_probe_echo", "channel_state"))
+                          "link_monitor_robot.yaml", "robot", ("link_ping", "link_ping_echo", "channel_state"))
 _VERIFIER = NodeSpec("verifier", "verifier_node", "verifier_node", EDGE_NS, "verifier.yaml", "edge",
                      ("draft_block", "hidden_reply", "channel_state", "verdict", "hidden_request"))
 _MONITOR_EDGE = NodeSpec("monitor_edge", "link_monitor_node", "link_monitor", EDGE_NS,
-                         "link_monitor_edge.yaml", "edge", ("link_probe", "link_probe_echo"))
+                         "link_monitor_edge.yaml", "edge", ("link_ping", "link_ping_echo"))
 _EMULATOR = NodeSpec("emulator", "link_emulator_node", "link_emulator", "/", "link_emulator.yaml", "link")
 
 _NODES = {

@@ -1,10 +1,10 @@
-"""Estimate the link's channel state from probe round trips (pure Python, no rclpy).
+"""Estimate the link's channel state from ping round trips (pure Python, no rclpy).
 
-``wisv_ros.nodes.link_monitor_node`` (robot role) sends probes of two sizes in turn to the
+``wisv_ros.nodes.link_monitor_node`` (robot role) sends pings of two sizes in turn to the
 edge, which echoes each one back *without* its padding. This module turns the send and echo
 times into a :class:`~wisv_ros.link.ChannelState`. What is measured, honestly:
 
-- **RTT** (``rtt_s``): a windowed, jitter-robust statistic of the *small* probes' round trips:
+- **RTT** (``rtt_s``): a windowed, jitter-robust statistic of the *small* pings' round trips:
   of the last ``rtt_window`` in-time samples, the *low cluster* (those within ``late_min_s``,
   the jitter allowance, of the fastest one) is reduced to its median. Not an EWMA: the
   middleware's latency on a busy host is heavy-tailed (on this 2-core machine under load:
@@ -12,7 +12,7 @@ times into a :class:`~wisv_ros.link.ChannelState`. What is measured, honestly:
   EWMA followed the tail and the stalls (measured 57-61 ms on a 50 ms link, and a stall kept it
   near 100 ms for seconds). The estimate is still the whole path's round trip: propagation, the
   serialisation of two small messages and the middleware's latency (FastDDS on loopback adds
-  about 1 ms per hop unloaded, and a probe through the emulator makes four hops). A sample is
+  about 1 ms per hop unloaded, and a ping through the emulator makes four hops). A sample is
   *late* if it exceeds the estimate by more than ``max(late_factor * rtt, late_min_s)``; late
   samples are kept out (they are the losses, see PER; the default margin, 0.75 RTT, must stay
   below the link's retransmission timeout, 1.5 RTT in :mod:`wisv_ros.link.emulator`).
@@ -20,32 +20,32 @@ times into a :class:`~wisv_ros.link.ChannelState`. What is measured, honestly:
   up): the windows restart from them (the estimate becomes their fast cluster) and they stop
   counting as late. A drop needs no rule: a faster sample enters the window and lowers the estimate at
   once. A stall that fakes a level shift is undone by the next normal sample.
-- **Rate** (``rate_bps``): a large probe's round trip exceeds a small one's by the serialisation
+- **Rate** (``rate_bps``): a large ping's round trip exceeds a small one's by the serialisation
   of the extra bytes on the uplink (the echo is small again): ``rate = 8 * Δbytes / Δtime``.
   Retransmissions only ever *add* delay and the middleware adds jitter, so, in the spirit of
   BBR's windowed filters, ``Δtime`` compares like with like: over the last ``rate_window`` large
   and the last ``rate_window`` small round trips, each side's *low cluster* (the samples within
   ``late_min_s``, the jitter allowance, of that side's fastest one) is reduced to its median,
   and ``Δtime`` is the difference of the two medians. It therefore estimates the raw
-  rate R, not the goodput R (1 - PER). It needs one loss-free large probe in the window: with
-  N packets per large probe that holds with probability ``1 - (1 - (1 - PER)^N)^rate_window``
+  rate R, not the goodput R (1 - PER). It needs one loss-free large ping in the window: with
+  N packets per large ping that holds with probability ``1 - (1 - (1 - PER)^N)^rate_window``
   (64 kB, PER 0.01, window 8: 99.99 %; PER 0.05 needs a window of about 40). (A loss early in a
-  large probe can add less than one RTO, because the retransmission overlaps the rest of the
-  probe, which is why the allowance is kept small.) The rate includes the middleware's per-byte
+  large ping can add less than one RTO, because the retransmission overlaps the rest of the
+  ping, which is why the allowance is kept small.) The rate includes the middleware's per-byte
   cost (on loopback about 14 ms/MB per hop, two hops up): rates of hundreds of Mbit/s are
   measured low. A ``Δtime`` below ``min_excess_s`` is clamped (the rate saturates at
-  ``8 * Δbytes / min_excess_s``). A level shift of the RTT drops the large probes measured
-  before it; the last rate is reported until a large probe comes back.
-- **PER** (``per``): a small probe and its echo are one packet each, so a probe round trip
+  ``8 * Δbytes / min_excess_s``). A level shift of the RTT drops the large pings measured
+  before it; the last rate is reported until a large ping comes back.
+- **PER** (``per``): a small ping and its echo are one packet each, so a ping round trip
   fails with probability ``q = 1 - (1 - PER)^2``; the estimate is ``PER = 1 - sqrt(1 - q)``
-  with ``q`` the failed share of the last ``per_window`` small probes. What "failed" means
-  depends on the probes' QoS:
+  with ``q`` the failed share of the last ``per_window`` small pings. What "failed" means
+  depends on the pings' QoS:
 
-  * best-effort probes (``per_from_late=False``, the monitor's default): a lost packet loses
-    the probe, which is counted when it is not echoed within ``timeout_s``. This is the
+  * best-effort pings (``per_from_late=False``, the monitor's default): a lost packet loses
+    the ping, which is counted when it is not echoed within ``timeout_s``. This is the
     residual (post-MAC-retransmission) loss rate the scenarios call PER, and jitter cannot fake
     it; :class:`wisv_ros.link.emulator.LinkEmulator` drops best-effort messages accordingly.
-  * reliable probes (``per_from_late=True``): the link retransmits, so probes come late rather
+  * reliable pings (``per_from_late=True``): the link retransmits, so pings come late rather
     than not at all; late ones (and timed-out ones) count. Jitter larger than the late margin
     (a busy CPU) is mistaken for loss: on this 2-core machine under load a 0.01 PER read as
     0.02-0.1.
@@ -64,7 +64,7 @@ from dataclasses import dataclass
 
 from wisv_ros.link.channel import ChannelState, _check_int, _check_nonnegative, _check_positive, _check_real
 
-__all__ = ["LinkEstimate", "LinkEstimator", "ProbeKind"]
+__all__ = ["LinkEstimate", "LinkEstimator", "PingKind"]
 
 
 def _low_cluster_median(values, allowance: float) -> float:
@@ -77,8 +77,8 @@ def _low_cluster_median(values, allowance: float) -> float:
     return statistics.median([v for v in values if v <= low + allowance])
 
 
-class ProbeKind:
-    """Names of the two probe sizes."""
+class PingKind:
+    """Names of the two ping sizes."""
 
     SMALL = "small"
     LARGE = "large"
@@ -90,8 +90,8 @@ class LinkEstimate:
 
     Attributes:
         state: the estimated channel (rate_bps, per, rtt_s).
-        samples: probe round trips used so far (small and large, echoed or timed out).
-        measured_at: time (s, caller clock) of the newest probe result behind the estimate.
+        samples: ping round trips used so far (small and large, echoed or timed out).
+        measured_at: time (s, caller clock) of the newest ping result behind the estimate.
     """
 
     state: ChannelState
@@ -106,22 +106,22 @@ class _Pending:
 
 
 class LinkEstimator:
-    """Online estimator of RTT, rate and PER from small/large probe round trips.
+    """Online estimator of RTT, rate and PER from small/large ping round trips.
 
     Args:
-        small_bytes: padding of a small probe (bytes, >= 0).
-        large_bytes: padding of a large probe (bytes, > small_bytes).
-        rtt_window: small probes in the RTT's low-cluster filter (>= 1).
+        small_bytes: padding of a small ping (bytes, >= 0).
+        large_bytes: padding of a large ping (bytes, > small_bytes).
+        rtt_window: small pings in the RTT's low-cluster filter (>= 1).
         late_factor: a sample is late above ``rtt * (1 + late_factor)`` ...
         late_min_s: ... or above ``rtt + late_min_s``, whichever is larger (s); also the
             jitter allowance of the RTT and rate filters (the "low cluster" width).
-        shift_count: this many late small probes in a row are a level shift (>= 1).
+        shift_count: this many late small pings in a row are a level shift (>= 1).
         rate_window: large (and small) round trips in the rate filter (>= 1).
-        per_window: small probes in the PER window (>= 1).
-        timeout_s: a probe not echoed within this time (s) is lost.
+        per_window: small pings in the PER window (>= 1).
+        timeout_s: a ping not echoed within this time (s) is lost.
         min_excess_s: smallest Δtime (s) used for the rate (> 0).
-        per_from_late: count late small probes as lost (probes on a reliable, retransmitting
-            path); False: only probes that never come back (best-effort probes).
+        per_from_late: count late small pings as lost (pings on a reliable, retransmitting
+            path); False: only pings that never come back (best-effort pings).
 
     Raises:
         TypeError, ValueError: an argument out of range; the message names it.
@@ -161,7 +161,7 @@ class LinkEstimator:
         self.per_from_late = per_from_late
 
         self._pending: dict[int, _Pending] = {}
-        self._late_run: list[float] = []  # RTTs of the current run of late small probes
+        self._late_run: list[float] = []  # RTTs of the current run of late small pings
         self._rtt_window: deque[float] = deque(maxlen=self.rtt_window)  # in-time small RTTs
         self._small_rtts: deque[float] = deque(maxlen=self.rate_window)  # ... for the rate
         self._large_rtts: deque[float] = deque(maxlen=self.rate_window)
@@ -173,13 +173,13 @@ class LinkEstimator:
     # ------------------------------------------------------------------ inputs
 
     def on_sent(self, seq: int, kind: str, t_s: float) -> None:
-        """Record that probe ``seq`` of ``kind`` (:class:`ProbeKind`) was sent at ``t_s``."""
-        if kind not in (ProbeKind.SMALL, ProbeKind.LARGE):
-            raise ValueError(f"kind must be {ProbeKind.SMALL!r} or {ProbeKind.LARGE!r}, got {kind!r}")
+        """Record that ping ``seq`` of ``kind`` (:class:`PingKind`) was sent at ``t_s``."""
+        if kind not in (PingKind.SMALL, PingKind.LARGE):
+            raise ValueError(f"kind must be {PingKind.SMALL!r} or {PingKind.LARGE!r}, got {kind!r}")
         self._pending[int(seq)] = _Pending(kind, _check_real("t_s", t_s))
 
     def on_echo(self, seq: int, t_s: float) -> float | None:
-        """Record the echo of probe ``seq`` received at ``t_s``; return its round trip (s).
+        """Record the echo of ping ``seq`` received at ``t_s``; return its round trip (s).
 
         Unknown, duplicate or already timed-out sequence numbers are ignored (returns None).
         """
@@ -188,7 +188,7 @@ class LinkEstimator:
         if pending is None:
             return None
         rtt = t_s - pending.sent_at
-        if pending.kind == ProbeKind.SMALL:
+        if pending.kind == PingKind.SMALL:
             self._small(rtt)
         else:
             self._large(rtt)
@@ -197,11 +197,11 @@ class LinkEstimator:
         return rtt
 
     def expire(self, t_s: float) -> int:
-        """Count probes sent more than ``timeout_s`` before ``t_s`` as lost; return how many."""
+        """Count pings sent more than ``timeout_s`` before ``t_s`` as lost; return how many."""
         t_s = _check_real("t_s", t_s)
         lost = [s for s, p in self._pending.items() if t_s - p.sent_at > self.timeout_s]
         for seq in lost:
-            if self._pending.pop(seq).kind == ProbeKind.SMALL:
+            if self._pending.pop(seq).kind == PingKind.SMALL:
                 self._late_flags.append(True)
             self._samples += 1
             self._measured_at = t_s
@@ -224,7 +224,7 @@ class LinkEstimator:
         self._accept_small(rtt)
 
     def _restart_windows(self, run: list[float]) -> None:
-        """After a level shift: the windows restart from ``run``; large probes are stale."""
+        """After a level shift: the windows restart from ``run``; large pings are stale."""
         for window in (self._rtt_window, self._small_rtts, self._large_rtts):
             window.clear()
         self._rtt_window.extend(run)
@@ -258,15 +258,15 @@ class LinkEstimator:
             self._last_rate = 8.0 * (self.large_bytes - self.small_bytes) / max(
                 excess, self.min_excess_s
             )
-        return self._last_rate  # Kept across a level shift until a new large probe is back.
+        return self._last_rate  # Kept across a level shift until a new large ping is back.
 
     @property
     def per(self) -> float | None:
-        """Current PER estimate in [0, 1), None before the first small probe result."""
+        """Current PER estimate in [0, 1), None before the first small ping result."""
         if not self._late_flags:
             return None
         q = sum(self._late_flags) / len(self._late_flags)
-        # q = 1 means every probe came late: report the largest PER a ChannelState allows.
+        # q = 1 means every ping came late: report the largest PER a ChannelState allows.
         return min(1.0 - math.sqrt(1.0 - q), 1.0 - 1e-9)
 
     def estimate(self) -> LinkEstimate | None:

@@ -31,7 +31,7 @@ Parameters (all read at start, except ``trace_origin_unix_s``):
 - ``robot_namespace`` (``/robot``), ``edge_namespace`` (``/edge``): the two sides.
 - ``uplink_topics`` / ``downlink_topics`` (string arrays of ``name:package/msg/Type``).
 - ``qos_depth`` (int, 100): keep-last depth of the relay subscriptions/publishers.
-- ``best_effort_topics`` (string array, ``[link_probe, link_probe_echo]``): topics relayed
+- ``best_effort_topics`` (string array, ``[link_ping, link_ping_echo]``): topics relayed
   best-effort (QoS and emulation: one lost packet drops the message, see
   ``LinkEmulator.send(reliable=False)``); all others are reliable (loss costs retransmission
   time). The QoS on both sides must match: reliable topics need reliable endpoints.
@@ -61,15 +61,15 @@ DEFAULT_UPLINK_TOPICS = [
     "draft_block:wisv_ros/msg/DraftBlock",
     "hidden_reply:wisv_ros/msg/HiddenReply",
     "channel_state:wisv_ros/msg/ChannelState",
-    "link_probe:wisv_ros/msg/LinkProbe",
+    "link_ping:wisv_ros/msg/LinkPing",
 ]
-# The link monitor's probes are best-effort: a probe that loses a packet is lost, which is how
+# The link monitor's pings are best-effort: a ping that loses a packet is lost, which is how
 # the monitor measures PER (see wisv_ros.link.estimator).
-DEFAULT_BEST_EFFORT_TOPICS = ["link_probe", "link_probe_echo"]
+DEFAULT_BEST_EFFORT_TOPICS = ["link_ping", "link_ping_echo"]
 DEFAULT_DOWNLINK_TOPICS = [
     "verdict:wisv_ros/msg/Verdict",
     "hidden_request:wisv_ros/msg/HiddenRequest",
-    "link_probe_echo:wisv_ros/msg/LinkProbe",
+    "link_ping_echo:wisv_ros/msg/LinkPing",
 ]
 
 
