@@ -95,11 +95,12 @@ def test_cli_runs_all_systems_side_by_side_and_resumes(tmp_path, monkeypatch, ca
     assert _run(tmp_path, monkeypatch, _tiny_probe(tmp_path, 0.4), out, "--limit", "1") == 0
     assert int(_summary(out)["greedy"]["prompts"]) == 1
     # Other settings in the same folder are refused.
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exc:
         _run(tmp_path, monkeypatch, _tiny_probe(tmp_path, 0.4), out, "--kappa", "4")
+    assert exc.value.code == 2 and "holds runs with other settings {'kappa': (3, 4)}" in capsys.readouterr().err
 
 
-def test_ngram_baseline_matches_its_own_suffix_length(tmp_path, monkeypatch):
+def test_ngram_baseline_matches_its_own_suffix_length(tmp_path, monkeypatch, capsys):
     """greedy+ngram copies after a --ngram-kappa match (prompt-lookup style), greedy+probe after --kappa."""
     out = tmp_path / "eval"
     assert _run(tmp_path, monkeypatch, _tiny_probe(tmp_path, 0.4), out, "--ngram-kappa", "1", "--limit", "1") == 0
@@ -113,8 +114,9 @@ def test_ngram_baseline_matches_its_own_suffix_length(tmp_path, monkeypatch):
         assert short["greedy+probe"][col] == same["greedy+probe"][col], col
     # ... while the baseline with 1-token matches copies in rounds where no 3-token suffix had occurred before.
     assert int(short["greedy+ngram"]["copy_rounds"]) > int(same["greedy+ngram"]["copy_rounds"]) > 0
-    with pytest.raises(SystemExit):  # a folder made with another n-gram length is refused
+    with pytest.raises(SystemExit) as exc:  # a folder made with another n-gram length is refused
         _run(tmp_path, monkeypatch, _tiny_probe(tmp_path, 0.4), out, "--ngram-kappa", "2", "--limit", "1")
+    assert exc.value.code == 2 and 'holds runs with other settings' in capsys.readouterr().err
 
 
 def test_cli_resume_drops_half_finished_prompt(tmp_path, monkeypatch):
@@ -132,11 +134,12 @@ def test_cli_resume_drops_half_finished_prompt(tmp_path, monkeypatch):
     assert rows["greedy+probe"]["gate_fired"] == "0.0"
 
 
-def test_cli_rejects_a_probe_of_another_hidden_size(tmp_path, monkeypatch):
+def test_cli_rejects_a_probe_of_another_hidden_size(tmp_path, monkeypatch, capsys):
     path = tmp_path / "wide.npz"
     save_probe(path, np.zeros(TINY_D * 2, np.float32), 1, "post_attn", 0.5)
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exc:
         _run(tmp_path, monkeypatch, path, tmp_path / "eval")
+    assert exc.value.code == 2 and "is for hidden size 64, target 'tiny-random:0:16' has 32" in capsys.readouterr().err
 
 
 def test_summarize_speedups_are_ratios_of_tokens_per_s():

@@ -369,9 +369,10 @@ def test_cli_train_scores_the_chosen_probe_on_held_out_test_sources(tmp_path, ca
     assert test["n"] == 160 and test["auc"] > 0.9 and 0 < test["f1"] <= 1  # 2 of 8 sources x 2 prompts x 40
     assert "held-out test (160 tokens" in capsys.readouterr().out
     assert "held-out test" in (tmp_path / "data" / "report" / "report.md").read_text()
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exc:
         probe_cli(["train", "--data", str(tmp_path / "data"), "--out", str(out), "--val-share", "0.5",
                    "--test-share", "0.5"])
+    assert exc.value.code == 2 and '--test-share must be in [0, 1) with --val-share + --test-share < 1' in capsys.readouterr().err
 
 
 def test_excerpt_and_two_turn_prompts():
@@ -410,5 +411,6 @@ def test_cli_score_rates_a_trained_probe_on_another_folder(tmp_path, capsys):
                       "--json", str(tmp_path / "foreign.json")]) == 0
     assert json.loads((tmp_path / "foreign.json").read_text())["metrics"]["all"]["auc"] < 0.8
     write_synthetic_folder(tmp_path / "wrong", informative=(2, "post_mlp"), d=10, n_prompts=2)
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exc:
         probe_cli(["score", "--probe", str(out), "--data", str(tmp_path / "wrong")])
+    assert exc.value.code == 2 and 'has d_model 10, the probe 12: another target' in capsys.readouterr().err

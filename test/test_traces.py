@@ -31,7 +31,7 @@ def test_answer_complete(text, done):
     assert answer_complete(text) is done
 
 
-def test_collect_and_label_resume(pair, tmp_path):
+def test_collect_and_label_resume(pair, tmp_path, capsys):
     target, drafter = pair
     problems = generate_gsm_symbolic(2, seed=7)
     out = tmp_path / "traces"
@@ -107,8 +107,9 @@ def test_collect_and_label_resume(pair, tmp_path):
                        "--target", "gemma3-270m", "--target-dtype", str(target.model.dtype).removeprefix("torch."),
                        "--csv", str(csv_path)]) == 0
     assert csv_path.read_text().splitlines()[0].startswith("way,problem,labels") and len(csv_path.read_text().splitlines()) == 3
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exc:
         traces_cli(["label", "--out", str(out), "--shard", "2/2"])
+    assert exc.value.code == 2 and '--shard must be I/N with 0 <= I < N' in capsys.readouterr().err
 
 
 def _by_problem(tr):

@@ -194,7 +194,7 @@ def _row(scenario: str, head: str, config: str, k: int, tau: float, prompt: int,
             "accuracy": accuracy, "tokens": n, "rounds": r.rounds,
             "aal": n / r.rounds, "latency_s": r.latency_s, "ms_per_token": 1e3 * r.latency_s / max(n, 1),
             "up_B": up, "down_B": down, "link_ms": 1e3 * link, "nominal_ms": 1e3 * nominal,
-            "overhead_ms": 1e3 * (link - nominal), "draft_s": r.draft_time_s, "edge_s": r.edge_time_s}
+            "overhead_ms": 1e3 * (link - nominal), "draft_time_s": r.draft_time_s, "edge_time_s": r.edge_time_s}
 
 
 def run_baselines(prompts: list[tuple[str, str | None]], scenarios: list[str], args,
@@ -242,7 +242,7 @@ def run_baselines(prompts: list[tuple[str, str | None]], scenarios: list[str], a
                              "aal": n / max(rounds, 1), "latency_s": t + link,
                              "ms_per_token": 1e3 * (t + link) / max(n, 1), "up_B": float("nan"),
                              "down_B": float("nan"), "link_ms": float("nan"), "nominal_ms": float("nan"),
-                             "overhead_ms": float("nan"), "draft_s": float("nan"), "edge_s": float("nan")})
+                             "overhead_ms": float("nan"), "draft_time_s": float("nan"), "edge_time_s": float("nan")})
     return rows
 
 

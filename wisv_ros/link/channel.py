@@ -6,7 +6,7 @@ so the nodes, the benchmark tools and the tests share the same cost model.
 The model follows SPEC "Costs" (WISV paper Eqs. 3-19):
 
 - A channel is a link-layer abstraction ``ChannelState(rate_bps, per, rtt_s)``:
-  effective rate R, packet error rate PER, round-trip time tau_RTT.
+  effective rate R, packet error rate PER, round-trip time rtt_s (tau_RTT in the paper; "tau" alone is the WISV threshold).
 - Sending ``n`` bytes takes ``8 n / (R (1 - PER))`` seconds (retransmissions stretch the
   serialisation time). Every request/response *exchange* also pays one RTT.
 - Per speculative round the protocols differ only in what they upload:

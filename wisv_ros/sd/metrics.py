@@ -33,10 +33,10 @@ class DecodeStats:
     drafted: int = 0
     accepted: int = 0
     mismatches: int = 0
-    draft_s: float = 0.0
-    target_s: float = 0.0
-    head_s: float = 0.0
-    comm_s: float = 0.0
+    draft_time_s: float = 0.0
+    target_time_s: float = 0.0
+    head_time_s: float = 0.0
+    comm_time_s: float = 0.0
     wall_s: float = 0.0
     uplink_bytes: dict[str, int] = dataclasses.field(default_factory=lambda: {p.value: 0 for p in Protocol})
     downlink_bytes: dict[str, int] = dataclasses.field(default_factory=lambda: {p.value: 0 for p in Protocol})
@@ -55,10 +55,10 @@ class DecodeStats:
         accepted: int,
         committed: int,
         mismatches: int,
-        draft_s: float,
-        target_s: float,
-        head_s: float,
-        comm_s: float = 0.0,
+        draft_time_s: float,
+        target_time_s: float,
+        head_time_s: float,
+        comm_time_s: float = 0.0,
     ) -> None:
         """Record one round (target-only: one forward pass with drafted = 0)."""
         if not 0 <= accepted <= drafted:
@@ -68,10 +68,10 @@ class DecodeStats:
         self.drafted += drafted
         self.accepted += accepted
         self.mismatches += mismatches
-        self.draft_s += draft_s
-        self.target_s += target_s
-        self.head_s += head_s
-        self.comm_s += comm_s
+        self.draft_time_s += draft_time_s
+        self.target_time_s += target_time_s
+        self.head_time_s += head_time_s
+        self.comm_time_s += comm_time_s
         while len(self.drafted_at) < drafted:
             self.drafted_at.append(0)
             self.accepted_at.append(0)
@@ -91,11 +91,11 @@ class DecodeStats:
         for proto in Protocol:
             self.downlink_bytes[proto.value] += down + (sh.request_down if proto == Protocol.SH else 0)
 
-    def observe_copy_round(self, accepted: int, committed: int, target_s: float) -> None:
+    def observe_copy_round(self, accepted: int, committed: int, target_time_s: float) -> None:
         """Record a copy round: the edge drafted from the context, so nothing goes up the link."""
         self.rounds += 1
         self.committed += committed
-        self.target_s += target_s
+        self.target_time_s += target_time_s
         self.copy_rounds += 1
         self.copy_accepted += accepted
         self.copy_empty += accepted == 0
@@ -129,9 +129,9 @@ class DecodeStats:
             "acceptance": round(self.acceptance_rate, 3),
             "tokens_per_s": round(self.tokens_per_s, 3),
             "wall_s": round(self.wall_s, 3),
-            "draft_s": round(self.draft_s, 3),
-            "target_s": round(self.target_s, 3),
-            "head_s": round(self.head_s, 4),
+            "draft_time_s": round(self.draft_time_s, 3),
+            "target_time_s": round(self.target_time_s, 3),
+            "head_time_s": round(self.head_time_s, 4),
         }
         for proto in Protocol:
             row[f"up_bytes_{proto.value}"] = self.uplink_bytes[proto.value]
@@ -143,7 +143,7 @@ class DecodeStats:
 
     def merge(self, other: "DecodeStats") -> None:
         """Add another request's counts (same method and K) into this one."""
-        for name in ("rounds", "committed", "drafted", "accepted", "mismatches", "draft_s", "target_s", "head_s", "comm_s",
+        for name in ("rounds", "committed", "drafted", "accepted", "mismatches", "draft_time_s", "target_time_s", "head_time_s", "comm_time_s",
                      "wall_s", "copy_rounds", "copy_accepted", "copy_empty"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for proto in Protocol:

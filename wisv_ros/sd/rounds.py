@@ -644,11 +644,11 @@ def generate(
         for part in parts:
             new, _ = clip(part.committed_ids, have, max_new_tokens, eos)
             if part.copy_round:
-                stats.observe_copy_round(accepted=part.accepted, committed=len(new), target_s=part.target_time_s)
+                stats.observe_copy_round(accepted=part.accepted, committed=len(new), target_time_s=part.target_time_s)
             else:
                 stats.observe_round(drafted=len(block.token_ids), accepted=part.accepted, committed=len(new),
-                                    mismatches=len(part.mismatches), draft_s=block.draft_time_s,
-                                    target_s=part.target_time_s, head_s=part.head_time_s)
+                                    mismatches=len(part.mismatches), draft_time_s=block.draft_time_s,
+                                    target_time_s=part.target_time_s, head_time_s=part.head_time_s)
                 if on_round is not None:
                     on_round(block, part, n_before)
             have += len(new)
@@ -700,8 +700,8 @@ def generate_target_only(
         tok, _ = pick_token(step.logits[-1], temperature, gen)
         new, done = clip([tok], len(out), max_new_tokens, eos)
         out.extend(new)
-        stats.observe_round(drafted=0, accepted=0, committed=len(new), mismatches=0, draft_s=0.0,
-                            target_s=time.perf_counter() - t0, head_s=0.0)
+        stats.observe_round(drafted=0, accepted=0, committed=len(new), mismatches=0, draft_time_s=0.0,
+                            target_time_s=time.perf_counter() - t0, head_time_s=0.0)
         if on_commit is not None and new:
             on_commit(new)
         if stop_text is not None and not done:

@@ -174,14 +174,14 @@ class Verifier:
             decision = judged_accept(draft, tp.logits, lambda s: self.judge(drafter_hidden, s, tp.target_hidden), self.tau)
         else:
             decision = greedy_accept(draft, tp.logits)
-        head_s = time.perf_counter() - t1
+        head_time_s = time.perf_counter() - t1
         if self.copy is not None and self.copy.layer is not None:
             self._probe_row = tp._layers[self.copy.layer][tp._pending - 1 + decision.accepted].numpy()
         committed = draft[: decision.accepted] + [decision.next_id]
         self.lm.rollback(len(self.context) + decision.accepted)
         self.context.extend(committed)
         return Verdict(accepted=decision.accepted, correction_id=decision.next_id, committed_ids=committed,
-                       mismatches=tp.mismatches, target_time_s=tp.target_time_s, head_time_s=head_s,
+                       mismatches=tp.mismatches, target_time_s=tp.target_time_s, head_time_s=head_time_s,
                        target_hidden=tp.target_hidden)
 
     def verify(self, block: DraftBlock) -> Verdict:

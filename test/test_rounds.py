@@ -1,0 +1,184 @@
+"""The round protocol (sd.rounds) without ROS: resends, edge restarts, edge loss and recovery,
+the edge's checks and idempotent answers, two-phase verification. Tiny random models; the links
+here are scripted stand-ins for DDS that lose, delay or restart what a real link would."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from wisv_ros.sd.drafting import Drafter
+from wisv_ros.sd.lm import CausalLM
+from wisv_ros.sd.models import load_model
+from wisv_ros.sd.rounds import (BlockRequest, EdgeLost, EdgeReply, EdgeRound, EdgeSessions, InProcessLink, RobotPolicy,
+                                RobotSession, generate_target_only)
+from wisv_ros.sd.verification import Method
+
+PROMPT = [5, 9, 12, 3]
+N = 40
+
+
+@pytest.fixture(scope="module")
+def target():
+    return CausalLM(load_model("tiny-random:0:64")[0])
+
+
+@pytest.fixture(scope="module")
+def drafter_lm():
+    return CausalLM(load_model("tiny-random:0:64:0.05")[0])
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    return generate_target_only(target, PROMPT, N).token_ids
+
+
+class Clock:
+    """Monotonic seconds that advance by 0.1 s at every reading (time passes while the robot drafts)."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        self.t += 0.1
+        return self.t
+
+
+class ScriptedLink:
+    """In process, but each exchange can be lost (the block reaches the edge, its reply does not),
+    dropped (the block never arrives) or answered by a restarted edge."""
+
+    def __init__(self, edge: EdgeSessions, clock: Clock | None = None):
+        self.edge, self.clock = edge, clock
+        self.sent: list[BlockRequest] = []
+        self.lose_reply: set[int] = set()  # exchange numbers whose reply is lost
+        self.down: set[int] = set()  # exchange numbers that reach no edge
+        self.restart_at: int | None = None  # exchange number at which the edge restarts (loses its sessions)
+        self.present = True
+
+    def exchange(self, req: BlockRequest, timeout_s: float):
+        n = len(self.sent)
+        self.sent.append(req)
+        if self.clock is not None:
+            self.clock.t += timeout_s if n in self.down | self.lose_reply else 0.01
+        if n == self.restart_at:
+            self.edge = EdgeSessions(self.edge.lm, method=self.edge.method)
+        if n in self.down:
+            return None
+        reply = self.edge.handle(req, fetch_hidden=lambda r, _p: r.hidden)
+        return None if n in self.lose_reply else reply
+
+    def edge_present(self) -> bool:
+        return self.present
+
+
+def session(drafter_lm, link, clock=None, **policy) -> RobotSession:
+    p = RobotPolicy(**dict(dict(k=4, max_new_tokens=N, on_edge_loss="error"), **policy))
+    return RobotSession(Drafter(drafter_lm), "req-1", PROMPT, PROMPT, p, link, eos=set(),
+                        log=None, **({"clock": clock} if clock is not None else {}))
+
+
+def test_in_process_rounds_equal_target_greedy(target, drafter_lm, reference):
+    res = session(drafter_lm, InProcessLink(EdgeSessions(target))).run()
+    assert res.token_ids == reference
+    assert 1 < res.rounds < N and res.drafter_only_rounds == 0
+
+
+def test_a_lost_reply_is_resent_and_answered_once(target, drafter_lm, reference):
+    link = ScriptedLink(EdgeSessions(target))
+    link.lose_reply = {2, 5}
+    res = session(drafter_lm, link).run()
+    assert res.token_ids == reference  # nothing committed twice or lost
+    rounds = [(r.round_id, r.prefix_length) for r in link.sent]
+    assert rounds[2] == rounds[3] and rounds[5] == rounds[6]  # the same block went again
+    assert len(link.sent) == res.rounds + 2
+
+
+def test_an_edge_restart_gets_the_context_again(target, drafter_lm, reference):
+    link = ScriptedLink(EdgeSessions(target))
+    link.restart_at = 3
+    res = session(drafter_lm, link).run()
+    assert res.token_ids == reference
+    assert link.sent[0].context_ids and not link.sent[2].context_ids
+    assert not link.sent[3].context_ids and link.sent[4].context_ids == PROMPT + res.token_ids[:link.sent[4].prefix_length - len(PROMPT)]
+    assert link.sent[4].round_id == link.sent[3].round_id + 1  # "unknown request": drafted again, with the context
+
+
+def test_a_lost_edge_fails_the_request_when_asked_to(target, drafter_lm):
+    link = ScriptedLink(EdgeSessions(target))
+    link.down = set(range(1, 100))
+    with pytest.raises(EdgeLost, match=r"edge lost in round 1: no verdict within verdict_timeout_s = 5.0 s"):
+        session(drafter_lm, link, verdict_retries=2).run()
+    assert len(link.sent) == 1 + 3  # the first round, then round 1 sent three times
+
+
+def test_drafter_only_rounds_while_the_edge_is_gone_then_back(target, drafter_lm):
+    clock = Clock()
+    link = ScriptedLink(EdgeSessions(target), clock)
+    link.down = {2, 3, 4}  # round 2 and its two resends
+    res = session(drafter_lm, link, clock, on_edge_loss="drafter_only", edge_retry_s=0.5).run()
+    assert len(res.token_ids) == N
+    assert res.drafter_only_rounds >= 1
+    assert res.rounds > res.drafter_only_rounds
+    back = link.sent[5]  # the first block after the loss carries the whole context
+    assert back.context_ids and back.prefix_length == len(back.context_ids)
+
+
+def test_edge_refuses_bad_blocks_naming_the_field(target):
+    edge = EdgeSessions(target)
+    ok = BlockRequest("r", 0, len(PROMPT), [1, 2], k=2, context_ids=list(PROMPT))
+    assert not edge.handle(ok).error
+    cases = {
+        "round_id 0: duplicate or out of order": BlockRequest("r", 0, len(PROMPT) + 3, [1], k=1),
+        "prefix_length 4 does not match the committed length": BlockRequest("r", 1, len(PROMPT), [1], k=1),
+        "token_ids: ids [99]": BlockRequest("r", 1, 0, [99], k=1),
+        "tau: must be finite and >= 0, got nan": BlockRequest("r", 1, 0, [1], k=1, tau=math.nan),
+        "method: target_only has no verifier": BlockRequest("r", 1, 0, [1], k=1, method="target_only"),
+        "temperature: method reject needs > 0": BlockRequest("r", 1, 0, [1], k=1, method="reject"),
+        "unknown request other: resend context": BlockRequest("other", 0, 4, [1], k=1),
+        "hidden: protocol fh needs 1 drafter hiddens": BlockRequest("r", 1, 0, [1], k=1, protocol="fh"),
+        "token_ids: empty block": BlockRequest("r", 1, 0, [], k=1),
+    }
+    for text, req in cases.items():
+        reply = edge.handle(req)
+        assert text in reply.error, (text, reply.error)
+
+
+def test_a_resent_block_gets_the_same_reply_without_a_second_pass(target):
+    edge = EdgeSessions(target)
+    req = BlockRequest("r", 0, len(PROMPT), [1, 2, 3], k=3, context_ids=list(PROMPT))
+    first = edge.handle(req)
+    passes = target.forward_passes
+    again = edge.handle(req)
+    assert again.resent and not first.resent
+    assert (again.committed_ids, again.accepted, again.committed_length) == (first.committed_ids, first.accepted, first.committed_length)
+    assert target.forward_passes == passes
+
+
+def test_two_phase_verification_asks_for_the_mismatch_hiddens(target, drafter_lm):
+    calls = []
+
+    def judge(h_draft, positions, h_target):
+        calls.append((h_draft.copy(), list(positions)))
+        return torch.zeros(len(positions))  # accept every mismatch
+
+    edge = EdgeSessions(target, method=Method.WISV, judge=judge)
+    d = Drafter(drafter_lm)
+    d.begin(PROMPT, len(PROMPT))
+    block = d.draft(8)
+    req = BlockRequest("r", 0, len(PROMPT), block.token_ids, k=8, protocol="sh", method="wisv", tau=0.5,
+                       context_ids=list(PROMPT))
+    rnd = edge.begin(req)
+    assert isinstance(rnd, EdgeRound) and rnd.hidden_positions and not calls
+    hidden = np.zeros_like(block.hidden)
+    hidden[rnd.hidden_positions] = block.hidden[rnd.hidden_positions]
+    reply = edge.finish(rnd, hidden)
+    assert isinstance(reply, EdgeReply) and reply.accepted == len(block.token_ids)  # the head accepted them all
+    assert calls and calls[0][1] == rnd.hidden_positions
+    # Without the hiddens (the SH reply did not come) every mismatch is rejected: greedy.
+    edge2 = EdgeSessions(target, method=Method.WISV, judge=judge)
+    rnd2 = edge2.begin(req)
+    reply2 = edge2.finish(rnd2, None)
+    assert reply2.accepted == rnd2.hidden_positions[0]
