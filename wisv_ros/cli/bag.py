@@ -71,11 +71,11 @@ def _namespace(topic: str) -> str:
     return ns or "/"
 
 
-def _stop_on_signals() -> threading.Event:
+def _stop_on_signals(stop: threading.Event | None = None) -> threading.Event:
     """An event set by SIGINT (Ctrl-C) or SIGTERM. Installed after rclpy.init, replacing rclpy's
     handlers, so a signal never interrupts a bag write half-way nor invalidates the context while
     the executor waits; the loops check the event and close the bag themselves."""
-    stop = threading.Event()
+    stop = threading.Event() if stop is None else stop
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     return stop
@@ -101,10 +101,10 @@ def _record(args) -> int:
     writer = BagWriter(out)  # BagError if OUT exists
     store = writer.store
 
-    import rclpy
-    from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
     from rclpy.node import Node
     from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy
+
+    from wisv_ros.nodes.common import run_node
 
     def wanted(topic: str) -> bool:
         if not namespaces and not topics:
@@ -182,22 +182,17 @@ def _record(args) -> int:
             print(f"[record] {time.monotonic() - self.t_start:6.1f} s  {counts}", end=end, file=sys.stderr, flush=True)
 
     writer.open()
-    rclpy.init(args=args.rclpy_args)
-    stop = _stop_on_signals()
-    node = None
+    stop = threading.Event()
+    deadline = None if args.duration is None else time.monotonic() + args.duration
+
+    def recorder() -> Recorder:  # called by run_node after rclpy.init: our signal handlers replace rclpy's
+        _stop_on_signals(stop)
+        return Recorder()
+
     try:
-        node = Recorder()
-        executor = SingleThreadedExecutor()
-        executor.add_node(node)
-        deadline = None if args.duration is None else time.monotonic() + args.duration
-        while not stop.is_set() and rclpy.ok() and (deadline is None or time.monotonic() < deadline):
-            executor.spin_once(timeout_sec=0.1)
-    except (KeyboardInterrupt, ExternalShutdownException):
-        pass
+        run_node(recorder, args=args.rclpy_args,
+                 until=lambda: stop.is_set() or (deadline is not None and time.monotonic() >= deadline))
     finally:
-        if node is not None:
-            node.destroy_node()
-        rclpy.try_shutdown()
         writer.close()
     total = sum(writer.counts.values())
     print(f"\n[record] wrote {total} messages on {len(writer.counts)} topics to {out}", file=sys.stderr)

@@ -186,8 +186,9 @@ def offload(node: Node, fn: Callable, *args):
     return future
 
 
-def run_node(factory: Callable[[], Node], args=None) -> None:
-    """rclpy.init, build the node, spin it on a SingleThreadedExecutor, shut down cleanly.
+def run_node(factory: Callable[[], Node], args=None, until: Callable[[], bool] | None = None) -> None:
+    """rclpy.init, build the node, spin it on a SingleThreadedExecutor (until ``until()`` is true, if
+    given, else until shutdown), shut down cleanly.
 
     One executor thread, callbacks that never block: long work (a goal's rounds, a target pass)
     runs in the node's own threads. rclpy's MultiThreadedExecutor is not used: with the rclpy of
@@ -203,7 +204,8 @@ def run_node(factory: Callable[[], Node], args=None) -> None:
         node = factory()
         executor = SingleThreadedExecutor()
         executor.add_node(node)
-        executor.spin()
+        while rclpy.ok() and not (until is not None and until()):
+            executor.spin_once(timeout_sec=0.1 if until is not None else None)
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
     finally:
