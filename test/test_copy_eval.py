@@ -81,7 +81,7 @@ def test_cli_runs_all_systems_side_by_side_and_resumes(tmp_path, monkeypatch, ca
     def no_models(*a, **k):
         raise AssertionError("resume must not load models")
 
-    monkeypatch.setattr(copy_eval, "load_model", no_models)
+    monkeypatch.setattr(copy_eval, "load_lm", no_models)
     assert _run(tmp_path, monkeypatch, _tiny_probe(tmp_path, 0.4), out) == 0
     assert len((out / "runs.jsonl").read_text().splitlines()) == len(records)
     # --report-only with more prompts selected than finished: summarises the finished ones, runs nothing.

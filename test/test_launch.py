@@ -200,7 +200,8 @@ def test_parameter_files_hold_the_demo_defaults():
         spec = next(s for c in graph.CONFIGURATIONS for s in graph.node_specs(c) if s.params_file == f)
         assert key == f"/**/{spec.name}", f  # matches the node in any namespace
     assert params["drafter.yaml"]["drafter_model"] == DEFAULT_DRAFTER
-    assert params["drafter.yaml"]["target_tokenizer_model"] == DEFAULT_TARGET
+    assert params["drafter.yaml"]["target_tokenizer_model"] == ""  # the default pair shares one tokenizer
+    assert params["drafter.yaml"]["backend"] == params["verifier.yaml"]["backend"] == "auto"
     assert params["verifier.yaml"]["target_model"] == DEFAULT_TARGET
     assert params["drafter.yaml"]["threads"] == 1 and params["verifier.yaml"]["threads"] == 1
     assert params["link_emulator.yaml"]["scenario"] == "20mbps_50ms"

@@ -15,10 +15,7 @@ pytest.importorskip("rclpy")
 ROOT = Path(__file__).resolve().parents[1]
 
 # (node, parameter) -> why the YAML sets another value than the code's default
-OVERRIDES = {
-    ("drafter_node", "target_tokenizer_model"): "the shipped graph runs the default cross-tokenizer pair; the code "
-                                                "default '' means one vocabulary, as every single-model test needs",
-}
+OVERRIDES: dict[tuple[str, str], str] = {}
 
 
 def declared_defaults(module_name: str) -> dict:

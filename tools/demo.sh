@@ -43,7 +43,7 @@ bash "$ROOT/tools/setup.sh"
 # shellcheck disable=SC1091
 source "$ROOT/tools/env.sh"
 # Convert the GGUF weights into the model cache once (seconds when already done).
-python -m wisv_ros.cli.models prepare smollm2-135m-instruct qwen2.5-coder-1.5b-instruct
+python -m wisv_ros.cli.models prepare --gguf-only qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct
 
 LOG_DIR="$ROOT/runs/demo"
 mkdir -p "$LOG_DIR"

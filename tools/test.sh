@@ -6,7 +6,7 @@ bash "$ROOT/tools/setup.sh"
 # shellcheck disable=SC1091
 source "$ROOT/tools/env.sh"
 # Convert the GGUF weights into the model cache once (seconds when already done).
-python -m wisv_ros.cli.models prepare smollm2-135m-instruct gemma3-270m
+python -m wisv_ros.cli.models prepare smollm2-135m-instruct gemma3-270m qwen2.5-coder-0.5b-instruct
 # A domain of its own (1..101, from the PID) so parallel runs do not see each other's topics.
 export ROS_DOMAIN_ID="${WISV_TEST_DOMAIN_ID:-$(($$ % 101 + 1))}"
 export ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST

@@ -47,6 +47,7 @@ from bisect import bisect_right
 from pathlib import Path
 
 from wisv_ros.interfaces.bags import BagError, BagWriter, QosSpec, open_bag, type_hash
+from wisv_ros.sd.engines import BACKENDS
 from wisv_ros.sd.models import WEIGHT_DTYPES, resolve_dtype
 
 RECORD_DEPTH = 1000  # keep-last depth of the recorder's subscriptions
@@ -384,8 +385,7 @@ def _reverify(args) -> int:
     from wisv_ros.interfaces.wire import WireError, read_hidden
     from wisv_ros.link.channel import SCENARIOS
     from wisv_ros.link.channel import ChannelState as LinkChannel
-    from wisv_ros.sd.lm import CausalLM
-    from wisv_ros.sd.models import load_model
+    from wisv_ros.sd.engines import load_lm
     from wisv_ros.sd.rounds import EdgeSessions
     from wisv_ros.sd.verification import Method
 
@@ -393,7 +393,7 @@ def _reverify(args) -> int:
         raise BagError(f"--default-channel {args.default_channel}: not one of {', '.join(SCENARIOS)}")
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    lm = CausalLM(*load_model(args.target, dtype=args.target_dtype))
+    lm = load_lm(args.target, args.target_backend, dtype=args.target_dtype, threads=args.threads)
     print(f"[reverify] target {args.target} ({resolve_dtype(args.target_dtype)}) loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     channel_now: list = [SCENARIOS[args.default_channel]]
     head_judge = None
@@ -552,6 +552,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--target", required=True, help="target model spec, as the verifier_node's target_model")
     v.add_argument("--target-dtype", default="auto", choices=WEIGHT_DTYPES, help="as the verifier_node's target_dtype (default %(default)s)")
     v.add_argument("--head", default=None, help="WISV decision head .onnx the verifier used (default: none, as the node without head_path)")
+    v.add_argument("--target-backend", default="torch", choices=BACKENDS, help="engine of the target (default %(default)s)")
     v.add_argument("--method", default="greedy", choices=["greedy", "reject", "wisv"],
                    help="method of blocks whose method field is empty (the verifier's 'method' parameter; default %(default)s)")
     v.add_argument("--seed", type=int, default=0, help="the verifier's 'seed' parameter (method reject; default %(default)s)")

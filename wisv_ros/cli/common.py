@@ -11,7 +11,8 @@ from wisv_ros.switchsd.copying import CopyConfig
 from wisv_ros.sd.drafting import Drafter
 from wisv_ros.sd.verification import Method, Verifier
 from wisv_ros.sd.lm import CausalLM
-from wisv_ros.sd.models import DEFAULT_DRAFTER, DEFAULT_TARGET, REGISTRY, add_dtype_args, load_model
+from wisv_ros.sd.engines import add_backend_args, load_lm
+from wisv_ros.sd.models import DEFAULT_DRAFTER, DEFAULT_TARGET, REGISTRY, add_dtype_args
 
 
 def add_pair_args(p: argparse.ArgumentParser) -> None:
@@ -43,6 +44,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="method wisv, in-process runs: channel scenario fed to the head (default %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     add_dtype_args(p)
+    add_backend_args(p)
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -91,8 +93,10 @@ def load_pair(args: argparse.Namespace, need_drafter: bool = True) -> tuple[Caus
 
         args.loaded_probe = load_probe(args.probe)
         capture = [(args.loaded_probe.layer, args.loaded_probe.kind)]
-    target = CausalLM(*load_model(args.target, dtype=args.target_dtype), capture=capture)
-    drafter = CausalLM(*load_model(args.drafter, dtype=args.drafter_dtype)) if need_drafter else None
+    threads = max(1, getattr(args, "threads", 1))
+    target = load_lm(args.target, args.target_backend, dtype=args.target_dtype, capture=capture, threads=threads)
+    drafter = (load_lm(args.drafter, args.drafter_backend, dtype=args.drafter_dtype, threads=threads)
+               if need_drafter else None)
     print(f"[wisv_ros] models loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return target, drafter
 

@@ -59,7 +59,8 @@ from wisv_ros.sd.rounds import Generation, generate, generate_target_only
 from wisv_ros.sd.verification import Method, Verifier
 from wisv_ros.sd.lm import CausalLM
 from wisv_ros.sd.metrics import DecodeStats, format_table
-from wisv_ros.sd.models import add_dtype_args, load_model
+from wisv_ros.sd.engines import add_backend_args, load_lm
+from wisv_ros.sd.models import add_dtype_args
 from wisv_ros.cli.bench import dataset_prompts
 from wisv_ros.cli.common import add_pair_args, set_threads
 
@@ -246,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--copy-width", type=int, default=4, help="copy mode: candidates per round, W (default %(default)s)")
     p.add_argument("--copy-depth", type=int, default=16, help="copy mode: tokens per candidate, D (default %(default)s)")
     add_dtype_args(p)
+    add_backend_args(p)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     args = p.parse_args(argv)
     for name in ("k", "kappa", "ngram_kappa", "copy_width", "copy_depth", "max_new_tokens"):
@@ -290,10 +292,11 @@ def main(argv: list[str] | None = None) -> int:
     if todo and args.report_only:
         print(f"[copy_eval] --report-only: {len(todo)} prompts of the selection not finished, left out", file=sys.stderr)
     elif todo:
-        target = CausalLM(*load_model(args.target, dtype=args.target_dtype), capture=[(probe.layer, probe.kind)])
+        target = load_lm(args.target, args.target_backend, dtype=args.target_dtype, capture=[(probe.layer, probe.kind)],
+                         threads=max(1, args.threads))
         if probe.d_model != target.hidden_size:
             p.error(f"probe {args.probe} is for hidden size {probe.d_model}, target '{args.target}' has {target.hidden_size}")
-        drafter = CausalLM(*load_model(args.drafter, dtype=args.drafter_dtype))
+        drafter = load_lm(args.drafter, args.drafter_backend, dtype=args.drafter_dtype, threads=max(1, args.threads))
         # Rewrite the file without half-finished prompts, then append.
         records_path.write_text("".join(json.dumps(r) + "\n" for r in records))
         bar = tqdm(total=len(todo) * len(SYSTEMS), desc="copy eval", unit="run", file=sys.stderr)

@@ -131,9 +131,9 @@ def run_scenario(scenario: str, head: tuple[str, str], configs: list[str], promp
 
     arguments = {"drafter_model": args.drafter, "target_model": args.target}
     robot_sets = [f"drafter.min_confidence:={args.min_confidence}", f"drafter.verdict_timeout_s:={args.verdict_timeout}",
-                  "drafter.on_edge_loss:=error"]
+                  "drafter.on_edge_loss:=error", f"drafter.backend:={args.drafter_backend}"]
     head_label, head_path = head
-    edge_sets = [f"verifier.target_dtype:={args.target_dtype}"] + ([f"verifier.head_path:={head_path}"] if head_path else [])
+    edge_sets = [f"verifier.target_dtype:={args.target_dtype}", f"verifier.backend:={args.target_backend}"] + ([f"verifier.head_path:={head_path}"] if head_path else [])
     if scenario == DIRECT:  # the edge graph's link topics are remapped into /robot: no relay
         commands = build_commands("robot", arguments, robot_sets) + build_commands(
             "edge", {"target_model": args.target}, edge_sets)
@@ -206,13 +206,13 @@ def run_baselines(prompts: list[tuple[str, str | None]], scenarios: list[str], a
     from wisv_ros.sd.drafting import Drafter, encode_prompt
     from wisv_ros.sd.verification import Method, Verifier
     from wisv_ros.sd.rounds import generate, generate_target_only
-    from wisv_ros.sd.lm import CausalLM
-    from wisv_ros.sd.models import load_model
+    from wisv_ros.sd.engines import load_lm
     from wisv_ros.interfaces.wire import text_to_ids
 
     torch.set_num_threads(args.threads)
-    target = CausalLM(*load_model(args.target, dtype=args.target_dtype))
-    drafter = CausalLM(*load_model(args.drafter)) if "colocated" in baselines else None
+    target = load_lm(args.target, getattr(args, "target_backend", "torch"), dtype=args.target_dtype, threads=args.threads)
+    drafter = (load_lm(args.drafter, getattr(args, "drafter_backend", "torch"), dtype="float32", threads=args.threads)
+               if "colocated" in baselines else None)
     rows = []
     k = args.k[0]
     for i, (text, answer) in enumerate(tqdm(prompts, desc="baselines", leave=False)):
@@ -372,6 +372,7 @@ def _floats(text: str) -> list[float]:
 
 def main(argv=None) -> int:
     from wisv_ros.link.channel import SCENARIOS
+    from wisv_ros.sd.engines import add_backend_args
     from wisv_ros.sd.models import DEFAULT_DRAFTER, DEFAULT_TARGET, add_dtype_args
 
     p = argparse.ArgumentParser(prog="python -m wisv_ros.cli.system_bench", description=__doc__,
@@ -389,6 +390,7 @@ def main(argv=None) -> int:
     p.add_argument("--drafter", default=DEFAULT_DRAFTER)
     p.add_argument("--target", default=DEFAULT_TARGET)
     add_dtype_args(p, drafter=False)
+    add_backend_args(p)
     p.add_argument("--head", action="append", default=[],
                    help="WISV decision head for the verifier as LABEL=PATH.onnx (repeatable, e.g. csi=... no_csi=...; "
                         "each head is a separate graph start); none: wisv rejects every mismatch")

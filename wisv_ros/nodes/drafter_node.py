@@ -42,6 +42,7 @@ from wisv_ros.nodes.transport import DdsLink
 from wisv_ros.nodes.common import (FEEDBACK_QOS, RELIABLE_QOS, ServingNode, check_choice, declare, frozen_after_start,
                                    offload, run_node)
 from wisv_ros.sd.drafting import Drafter, encode_prompt, same_vocabulary
+from wisv_ros.sd.engines import BACKENDS, load_lm, resolve_backend
 from wisv_ros.sd.models import load_tokenizer
 from wisv_ros.sd.rounds import EDGE_LOSS, EdgeLost, RobotPolicy, RobotSession, protocol_chooser
 from wisv_ros.sd.verification import Method
@@ -82,11 +83,12 @@ class DrafterNode(ServingNode):
         declare(self, "on_edge_loss", p.on_edge_loss, "on a lost edge: 'error' aborts the goal, 'drafter_only' goes on with the drafter alone", choices=EDGE_LOSS)
         declare(self, "edge_retry_s", p.edge_retry_s, "in drafter-only mode, try the edge again at most this often (s)", lo=0.0, hi=3600.0)
         declare(self, "seed", 0, "seed of the drafter's sampling", lo=0, hi=2**31 - 1)
-        declare(self, "threads", 1, "torch CPU threads", lo=1, hi=256)
-        for name, choices in (("method", METHODS), ("protocol", PROTOCOLS), ("on_edge_loss", EDGE_LOSS)):
+        declare(self, "threads", 1, "CPU threads of the drafter's engine", lo=1, hi=256)
+        declare(self, "backend", "auto", "drafter engine: auto (llama_cpp for GGUF weights, torch for the rest), torch or llama_cpp", choices=BACKENDS)
+        for name, choices in (("method", METHODS), ("protocol", PROTOCOLS), ("on_edge_loss", EDGE_LOSS), ("backend", BACKENDS)):
             check_choice(name, self._param(name), choices)
         self.add_on_set_parameters_callback(frozen_after_start(
-            {"drafter_model", "target_tokenizer_model", "threads"},
+            {"drafter_model", "target_tokenizer_model", "threads", "backend"},
             {"method": METHODS, "protocol": PROTOCOLS, "on_edge_loss": EDGE_LOSS},
         ))
 
@@ -120,16 +122,10 @@ class DrafterNode(ServingNode):
 
     def _load(self) -> bool:
         try:
-            import torch
-
-            from wisv_ros.sd.lm import CausalLM
-            from wisv_ros.sd.models import load_model
-
-            torch.set_num_threads(int(self._param("threads")))
             spec = self._param("drafter_model")
             t0 = time.perf_counter()
-            model, tok = load_model(spec)
-            lm = CausalLM(model, tok)
+            lm = load_lm(spec, self._param("backend"), dtype="float32", threads=int(self._param("threads")))
+            tok = lm.tokenizer
             target_spec = self._param("target_tokenizer_model")
             target_tok = None
             if target_spec and not target_spec.startswith("tiny-random"):
@@ -137,7 +133,7 @@ class DrafterNode(ServingNode):
                 if same_vocabulary(tok, target_tok):
                     target_tok = None
             self._lm, self._target_tok = lm, target_tok
-            self.get_logger().info(f"drafter {spec} loaded in {time.perf_counter() - t0:.1f} s"
+            self.get_logger().info(f"drafter {spec} ({resolve_backend(spec, self._param('backend'))}) loaded in {time.perf_counter() - t0:.1f} s"
                                    + (f"; cross-tokenizer with {target_spec}" if target_tok is not None else ""))
             return True
         except Exception as exc:  # reported on every goal; the node stays up

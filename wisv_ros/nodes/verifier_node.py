@@ -44,6 +44,7 @@ from wisv_ros.link.channel import SCENARIOS
 from wisv_ros.link.channel import ChannelState as LinkChannel
 from wisv_ros.nodes.transport import HiddenFetch
 from wisv_ros.nodes.common import RELIABLE_QOS, ServingNode, declare, frozen_after_start, msg_bytes, run_node, stamp_age_s, stamp_now
+from wisv_ros.sd.engines import BACKENDS, load_lm, resolve_backend
 from wisv_ros.sd.models import WEIGHT_DTYPES, resolve_dtype
 from wisv_ros.sd.rounds import EdgeReply, EdgeSessions
 from wisv_ros.sd.verification import Method
@@ -68,7 +69,8 @@ class VerifierNode(ServingNode):
         declare(self, "default_channel", "20mbps_50ms", "channel scenario the head assumes until the first channel_state arrives", choices=tuple(SCENARIOS))
         declare(self, "max_requests", 16, "requests whose verifier state is kept (oldest dropped first)", lo=1, hi=4096)
         declare(self, "seed", 0, "seed of rejection sampling", lo=0, hi=2**31 - 1)
-        declare(self, "threads", 1, "torch CPU threads", lo=1, hi=256)
+        declare(self, "threads", 1, "CPU threads of the target's engine", lo=1, hi=256)
+        declare(self, "backend", "auto", "target engine: auto (llama_cpp for GGUF weights, torch for the rest), torch (target_dtype) or llama_cpp", choices=BACKENDS)
         declare(self, "copy", "off", "SwitchSD copy mode after each block: off; ngram (copy whenever the last copy_kappa "
                 "tokens occurred before: the probe-less baseline); probe (only when the copy probe fires too)",
                 choices=COPY_MODES)
@@ -78,13 +80,13 @@ class VerifierNode(ServingNode):
         declare(self, "copy_depth", 16, "copy mode: tokens per candidate (D)", lo=1, hi=256)
         declare(self, "copy_max_rounds", 32, "copy mode: at most this many copy rounds after one block", lo=1, hi=100000)
         for name, choices in (("copy", COPY_MODES), ("target_dtype", WEIGHT_DTYPES), ("default_channel", tuple(SCENARIOS)),
-                              ("method", METHODS)):
+                              ("method", METHODS), ("backend", BACKENDS)):
             if self._param(name) not in choices:
                 raise ValueError(f"parameter {name}: '{self._param(name)}' is not one of {', '.join(choices)}")
         if self._param("copy") == "probe" and not self._param("probe_path"):
             raise ValueError("parameter probe_path: copy=probe needs a probe file (.npz); set probe_path or use copy:=ngram")
         self.add_on_set_parameters_callback(frozen_after_start(
-            {"target_model", "target_dtype", "threads", "channel_deadline_s", "head_path", "copy", "probe_path"},
+            {"target_model", "target_dtype", "threads", "channel_deadline_s", "head_path", "copy", "probe_path", "backend"},
             {"method": METHODS, "default_channel": tuple(SCENARIOS)},
         ))
 
@@ -120,24 +122,19 @@ class VerifierNode(ServingNode):
 
     def _load(self) -> bool:
         try:
-            import torch
-
-            from wisv_ros.sd.lm import CausalLM
-            from wisv_ros.sd.models import load_model
             from wisv_ros.switchsd.copying import CopyConfig
 
-            torch.set_num_threads(int(self._param("threads")))
             spec = self._param("target_model")
+            backend = resolve_backend(spec, self._param("backend"))
             t0 = time.perf_counter()
-            dtype = resolve_dtype(self._param("target_dtype"))
-            model, tok = load_model(spec, dtype=dtype)
+            dtype = resolve_dtype(self._param("target_dtype")) if backend == "torch" else "gguf"
             probe, capture = None, []
             if self._param("copy") == "probe":
                 from wisv_ros.switchsd.probe import load_probe
 
                 probe = load_probe(self._param("probe_path"))
                 capture = [(probe.layer, probe.kind)]
-            lm = CausalLM(model, tok, capture=capture)
+            lm = load_lm(spec, backend, dtype=self._param("target_dtype"), capture=capture, threads=int(self._param("threads")))
             if probe is not None and probe.d_model != lm.hidden_size:
                 raise ValueError(f"probe {self._param('probe_path')} expects hidden size {probe.d_model}, the target has {lm.hidden_size}")
             head_path = self._param("head_path")
@@ -151,12 +148,12 @@ class VerifierNode(ServingNode):
                 judge = make_judge(head, self._channel_state)
             copy = CopyConfig.for_mode(self._param("copy"), probe, kappa=int(self._param("copy_kappa")),
                                        width=int(self._param("copy_width")), depth=int(self._param("copy_depth")))
-            with torch.no_grad():  # warm-up: the first pass pages the weights in and sets up the kernels
-                model(torch.zeros((1, 8), dtype=torch.long))
+            lm.feed(list(range(8)), n_logits=1)  # warm-up: the first pass pages the weights in, sets up the kernels
+            lm.reset()
             self._edge = EdgeSessions(lm, method=Method(self._param("method")), judge=judge, copy=copy,
                                       seed=int(self._param("seed")), max_requests=int(self._param("max_requests")),
                                       copy_max_rounds=int(self._param("copy_max_rounds")))
-            self.get_logger().info(f"target {spec} ({dtype}) loaded and warmed up in {time.perf_counter() - t0:.1f} s"
+            self.get_logger().info(f"target {spec} ({backend}, {dtype}) loaded and warmed up in {time.perf_counter() - t0:.1f} s"
                                    + (f"; decision head {head_path}" if head_path else "; no decision head"))
             return True
         except Exception as exc:

