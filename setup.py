@@ -22,8 +22,11 @@ setup(
         ("share/" + PACKAGE_NAME, ["package.xml"]),
     ],
     python_requires=">=3.10",
-    # Dependencies are pinned in tools/requirements.txt (torch must be the CPU build).
-    install_requires=[],
+    # The runtime dependencies (rclpy comes from the ROS 2 install, not from pip). tools/setup.sh pins
+    # their versions (tools/requirements.txt: torch must be the CPU build there) and installs this
+    # package with --no-deps; llama-cpp-python is built by its step `engine`.
+    install_requires=["numpy", "pyyaml", "torch", "transformers", "gguf", "onnxruntime", "rosbags",
+                      "llama-cpp-python"],
     zip_safe=False,
     license="Apache-2.0",
     description="Wireless speculative verification over ROS 2",

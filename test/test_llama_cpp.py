@@ -109,8 +109,8 @@ def test_rollback_then_feed_is_bit_identical_to_a_fresh_feed(llm):
         assert a.layers.keys() == b.layers.keys() == set(CAPTURE)
         for key in CAPTURE:
             assert torch.equal(a.layers[key], b.layers[key])
-    # Another grouping of the prompt changes the numbers a little, not the ranking at the top.
-    assert not torch.equal(after.logits, deep.logits)
+    # Another grouping of the prompt may change the numbers a little (it did with the build without
+    # llama.cpp's repacked kernels), never the ranking at the top.
     assert torch.equal(after.logits.argmax(-1), deep.logits.argmax(-1))
     assert float((after.logits - deep.logits).abs().max()) < 1.0
 
