@@ -382,3 +382,39 @@ def test_backend_choice_names_the_field_and_auto_picks_llama_cpp_for_gguf(llm):
         assert isinstance(lm, LlamaCppLM) and lm.vocab_size == llm.vocab_size
     finally:
         lm.close()
+
+
+def test_rejection_sd_follows_the_target_distribution_on_the_real_pair(llm):
+    """Rejection sampling with the real same-vocabulary pair (0.5B drafting for 1.5B): the first
+    committed token, drafted from the 0.5B's distribution and accepted or resampled against the
+    1.5B's, is distributed as the 1.5B's own (seeded; chi-square over the likely tokens)."""
+    from wisv_ros.sd.acceptance import rejection_accept, softmax_t
+
+    target = LlamaCppLM.from_gguf("qwen2.5-coder-1.5b-instruct", threads=1, tokenizer=llm.tokenizer)
+    try:
+        ids = encode_prompt(llm.tokenizer, "Name a colour of the rainbow. Answer with one word.")
+        temperature = 1.0
+        llm.reset()
+        p_d = softmax_t(llm.feed(ids).logits[-1], temperature)  # drafter: one position
+        target.reset()
+        logits_t = target.feed(ids).logits[-1]
+        k1 = torch.stack([logits_t, logits_t])  # [K+1 = 2, V]: only row 0 decides the first token
+        p_t = softmax_t(logits_t, temperature)
+    finally:
+        target.close()
+    assert float((p_t - p_d).abs().sum()) > 0.05  # the two models disagree enough to test the rule
+    g = torch.Generator().manual_seed(7)
+    n = 4000
+    counts: dict[int, int] = {}
+    for _ in range(n):
+        draft = int(torch.multinomial(p_d, 1, generator=g))
+        d = rejection_accept([draft], p_d[None].float(), k1, temperature, g)
+        tok = draft if d.accepted == 1 else d.next_id
+        counts[tok] = counts.get(tok, 0) + 1
+    top = [int(t) for t in torch.topk(p_t, 6).indices if float(p_t[t]) * n >= 20]
+    observed = [counts.get(t, 0) for t in top] + [n - sum(counts.get(t, 0) for t in top)]
+    expected = [float(p_t[t]) * n for t in top] + [n * (1 - float(p_t[top].sum()))]
+    assert len(top) >= 2
+    chi2 = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
+    # Critical values of chi-square at p = 0.001 by degrees of freedom (cells - 1).
+    assert chi2 < {2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46}[len(top)], (observed, expected)

@@ -502,25 +502,40 @@ def test_channel_state_deadline_miss_is_logged(pair, ros):
     assert verifier.alive()
 
 
+def _call(client, request, wait_s: float):
+    """One service call; its response, or None when none came within ``wait_s``."""
+    future = client.call_async(request)
+    deadline = time.monotonic() + wait_s
+    while not future.done() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return future.result() if future.done() else None
+
+
 def lifecycle_state(ros, name: str) -> str:
-    """The label of a lifecycle node's state (its get_state service)."""
+    """The label of a lifecycle node's state (its get_state service). A request sent right after
+    discovery can be lost before the reply path is matched: it is sent again until START_TIMEOUT."""
     from lifecycle_msgs.srv import GetState
 
     client = ros.create_client(GetState, f"{name}/get_state")
     try:
         assert client.wait_for_service(timeout_sec=START_TIMEOUT), f"no {name}/get_state"
-        future = client.call_async(GetState.Request())
-        deadline = time.monotonic() + 10.0
-        while not future.done():
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            res = _call(client, GetState.Request(), 5.0)
+            if res is not None:
+                return res.current_state.label
             assert time.monotonic() < deadline, f"{name}/get_state did not answer"
-            time.sleep(0.02)
-        return future.result().current_state.label
     finally:
         ros.destroy_client(client)
 
 
+_AFTER = {"configure": "inactive", "activate": "active", "deactivate": "inactive", "cleanup": "unconfigured"}
+
+
 def change_state(ros, name: str, transition: str) -> bool:
-    """Trigger a lifecycle transition by its label (configure, activate, deactivate, cleanup)."""
+    """Trigger a lifecycle transition by its label (configure, activate, deactivate, cleanup); True
+    when the node is in the transition's target state afterwards. An unanswered request is checked
+    against the node's state before it is sent again (its answer may be what got lost)."""
     from lifecycle_msgs.msg import Transition
     from lifecycle_msgs.srv import ChangeState
 
@@ -529,12 +544,16 @@ def change_state(ros, name: str, transition: str) -> bool:
         assert client.wait_for_service(timeout_sec=START_TIMEOUT), f"no {name}/change_state"
         req = ChangeState.Request()
         req.transition = Transition(id=getattr(Transition, f"TRANSITION_{transition.upper()}"))
-        future = client.call_async(req)
         deadline = time.monotonic() + START_TIMEOUT
-        while not future.done():
+        while True:
+            res = _call(client, req, 10.0)
+            if res is not None and res.success:
+                return True
+            if lifecycle_state(ros, name) == _AFTER[transition]:
+                return True
+            if res is not None:
+                return False
             assert time.monotonic() < deadline, f"{name}/change_state {transition} did not answer"
-            time.sleep(0.05)
-        return future.result().success
     finally:
         ros.destroy_client(client)
 
