@@ -1,7 +1,7 @@
-"""drafter_node and verifier_node as real processes talking over DDS on loopback.
+"""drafter_node and verifier_node as real processes talking over DDS on this machine.
 
 Tiny random models (no tokenizer: prompts are space-separated ids). tools/test.sh sets a
-test-specific ROS_DOMAIN_ID and ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST; each group of tests uses
+test-specific ROS_DOMAIN_ID and Fast DDS over UDP only (see tools/test.sh); each group of tests uses
 its own namespace. Waits are on conditions with timeouts, never fixed sleeps.
 """
 from __future__ import annotations
