@@ -51,6 +51,14 @@ class CacheSync:
     def rollback(self, n_keep: int) -> None:
         raise NotImplementedError
 
+    def pending(self, ids: Sequence[int]) -> int:
+        """How many of ``ids`` a ``sync`` would leave to feed (nothing is rolled back)."""
+        n = 0
+        limit = min(len(self.cached), len(ids) - 1)
+        while n < limit and self.cached[n] == ids[n]:
+            n += 1
+        return len(ids) - n
+
     def sync(self, ids: Sequence[int]) -> list[int]:
         """Roll back to the longest common prefix of the cache and ``ids``; return ids left to feed.
 

@@ -48,6 +48,7 @@ from wisv_ros.link.channel import ChannelState, WireFormat, choose_protocol
 from wisv_ros.sd.drafting import DraftBlock, Drafter, encode_prompt, pick_token
 from wisv_ros.sd.lm import CausalLM
 from wisv_ros.sd.metrics import DecodeStats
+from wisv_ros.sd.roundlog import RoundRecord
 from wisv_ros.sd.verification import Judge, Method, Verdict, Verifier
 from wisv_ros.switchsd.copying import CopyConfig
 
@@ -168,12 +169,16 @@ class EdgeSessions:
         copy_max_rounds: copy rounds after one block at most.
         verifier_for: makes the ``Verifier`` of a new request (default: one over ``lm`` with the
             arguments above); ``generate`` hands in its caller's verifier this way.
+        round_log: called with a ``roundlog.RoundRecord`` for every verified block and every copy
+            round (e.g. a ``roundlog.RoundLog``); a resent block is not logged twice.
     """
 
     def __init__(self, lm: CausalLM, *, method: Method = Method.GREEDY, judge: Judge | None = None,
                  copy: CopyConfig | None = None, seed: int = 0, max_requests: int = 16, copy_max_rounds: int = 32,
-                 verifier_for: Callable[[], Verifier] | None = None):
+                 verifier_for: Callable[[], Verifier] | None = None,
+                 round_log: Callable[[RoundRecord], None] | None = None):
         self.lm = lm
+        self.round_log = round_log
         self.verifier_for = verifier_for
         self.method = Method(method)
         self.judge = judge
@@ -247,7 +252,32 @@ class EdgeSessions:
                           committed_ids=list(verdict.committed_ids) + copied,
                           committed_length=len(session.verifier.context), copy_rounds=len(copies),
                           copy_committed=len(copied), verdict=verdict, copies=copies)
+        if self.round_log is not None:
+            self._log_round(req, session.verifier, verdict, copies, drafter_hidden)
         return self._remember(session, reply)
+
+    def _log_round(self, req: BlockRequest, v: Verifier, verdict: Verdict, copies: list[Verdict],
+                   drafter_hidden: np.ndarray | None) -> None:
+        hidden = req.hidden if req.hidden is not None else drafter_hidden
+        hidden_dim = int(hidden.shape[-1]) if hidden is not None and hidden.ndim == 2 else 0
+        method = v.method.value
+        common = dict(request_id=req.request_id, round_id=req.round_id, method=method, k=req.k, tau=req.tau,
+                      hidden_dim=hidden_dim)
+        prefix = req.prefix_length
+        head = [m for m in verdict.mismatches if m < verdict.accepted] if v.method == Method.WISV else []
+        records = [RoundRecord(kind="block", protocol=req.protocol, prefix_length=prefix, drafted=len(req.token_ids),
+                               accepted=verdict.accepted, mismatches=list(verdict.mismatches), head_accepted=head,
+                               committed=len(verdict.committed_ids), target_tokens=verdict.target_tokens,
+                               draft_time_s=req.draft_time_s, target_time_s=verdict.target_time_s,
+                               head_time_s=verdict.head_time_s, **common)]
+        prefix += len(verdict.committed_ids)
+        for c in copies:
+            records.append(RoundRecord(kind="copy", prefix_length=prefix, drafted=c.drafted, accepted=c.accepted,
+                                       committed=len(c.committed_ids), target_tokens=c.target_tokens,
+                                       copy_candidates=c.copy_candidates, target_time_s=c.target_time_s, **common))
+            prefix += len(c.committed_ids)
+        for rec in records:
+            self.round_log(rec)
 
     @staticmethod
     def _error(req: BlockRequest, exc: Exception) -> EdgeReply:
@@ -614,6 +644,8 @@ def generate(
     on_round: Callable[[DraftBlock, Verdict, int], None] | None = None,
     stop_text: Callable[[str], bool] | None = None,
     copy_max_rounds: int = 32,
+    round_log: Callable[[RoundRecord], None] | None = None,
+    request_id: str = "in-process",
 ) -> Generation:
     """Speculative decoding in one process: the round protocol of the nodes with the edge in process.
 
@@ -622,19 +654,20 @@ def generate(
     template to a text prompt (False: plain completion, e.g. code). on_commit: called with the ids
     committed by each round (streaming). on_round: called with (block, the block's verdict, tokens
     generated before the round) after each round (trace collection). stop_text: ends generation
-    after the round whose text makes it true (e.g. a final answer).
+    after the round whose text makes it true (e.g. a final answer). round_log: gets a
+    ``roundlog.RoundRecord`` per round (``EdgeSessions``), under ``request_id``.
     """
     target_prompt = encode_prompt(verifier.lm.tokenizer, prompt, chat)
     drafter_prompt = encode_prompt(drafter.lm.tokenizer, prompt, chat) if drafter.cross else target_prompt
     if stats is None:
         stats = DecodeStats(method=str(verifier.method), k=k, hidden_dim=drafter.lm.hidden_size, vocab_size=verifier.lm.vocab_size)
     edge = EdgeSessions(verifier.lm, method=verifier.method, judge=verifier.judge, copy=verifier.copy,
-                        copy_max_rounds=copy_max_rounds, verifier_for=lambda: verifier)
+                        copy_max_rounds=copy_max_rounds, verifier_for=lambda: verifier, round_log=round_log)
     policy = RobotPolicy(k=k, max_new_tokens=max_new_tokens, method=verifier.method.value, tau=verifier.tau,
                          temperature=verifier.temperature if verifier.method == Method.REJECT else 0.0,
                          on_edge_loss="error")
     eos = verifier.lm.eos_ids()
-    session = RobotSession(drafter, "in-process", target_prompt, drafter_prompt, policy, InProcessLink(edge), eos,
+    session = RobotSession(drafter, request_id, target_prompt, drafter_prompt, policy, InProcessLink(edge), eos,
                            protocol_for=lambda _k, _m: "fh")
     out: list[int] = []
 
@@ -679,10 +712,13 @@ def generate_target_only(
     stats: DecodeStats | None = None,
     chat: bool = True,
     stop_text: Callable[[str], bool] | None = None,
+    round_log: Callable[[RoundRecord], None] | None = None,
+    request_id: str = "in-process",
 ) -> Generation:
     """Autoregressive decoding with the target alone (the baseline; one token per forward pass).
 
     stop_text: ends generation after the token whose text makes it true, as in ``generate``.
+    round_log: gets one ``roundlog.RoundRecord`` (kind "target") per forward pass.
     """
     prompt_ids = encode_prompt(lm.tokenizer, prompt, chat)
     if stats is None:
@@ -699,9 +735,14 @@ def generate_target_only(
         step = lm.feed(todo, n_logits=1)
         tok, _ = pick_token(step.logits[-1], temperature, gen)
         new, done = clip([tok], len(out), max_new_tokens, eos)
+        target_time_s = time.perf_counter() - t0
+        if round_log is not None:
+            round_log(RoundRecord(request_id=request_id, round_id=stats.rounds, kind="target",
+                                  method=Method.TARGET_ONLY.value, prefix_length=len(prompt_ids) + len(out),
+                                  committed=len(new), target_tokens=len(todo), target_time_s=target_time_s))
         out.extend(new)
         stats.observe_round(drafted=0, accepted=0, committed=len(new), mismatches=0, draft_time_s=0.0,
-                            target_time_s=time.perf_counter() - t0, head_time_s=0.0)
+                            target_time_s=target_time_s, head_time_s=0.0)
         if on_commit is not None and new:
             on_commit(new)
         if stop_text is not None and not done:

@@ -30,7 +30,7 @@ import torch
 from wisv_ros.sd.acceptance import greedy_accept, judged_accept, mismatch_positions, rejection_accept
 from wisv_ros.sd.drafting import DraftBlock
 from wisv_ros.sd.lm import CausalLM
-from wisv_ros.switchsd.copying import CopyConfig, copy_candidates, verify_tree
+from wisv_ros.switchsd.copying import CopyConfig, verify_tree
 
 __all__ = ["Judge", "Method", "TargetPass", "Verdict", "Verifier"]
 
@@ -70,6 +70,9 @@ class Verdict:
     head_time_s: float = 0.0
     target_hidden: torch.Tensor | None = None  # [K+1, d_target] at the verified positions
     copy_round: bool = False  # drafted from the context on the edge (no drafter block)
+    target_tokens: int = 0  # tokens the target pass fed (pending correction + block; copy: all candidates)
+    copy_candidates: int = 0  # candidate branches of a copy round
+    drafted: int = 0  # copy round: tokens of the longest candidate
 
 
 @dataclasses.dataclass
@@ -182,7 +185,7 @@ class Verifier:
         self.context.extend(committed)
         return Verdict(accepted=decision.accepted, correction_id=decision.next_id, committed_ids=committed,
                        mismatches=tp.mismatches, target_time_s=tp.target_time_s, head_time_s=head_time_s,
-                       target_hidden=tp.target_hidden)
+                       target_hidden=tp.target_hidden, target_tokens=tp._pending + len(draft), drafted=len(draft))
 
     def verify(self, block: DraftBlock) -> Verdict:
         """Both phases with the block's own drafter hiddens (in process, or FH)."""
@@ -194,12 +197,13 @@ class Verifier:
         cfg = self.copy
         if cfg is None:
             return None
-        candidates = copy_candidates(self.context, cfg.kappa, cfg.width, cfg.depth)
+        candidates = cfg.candidates(self.context)
         if not candidates:
             return None
         if cfg.gate is not None and (self._probe_row is None or not cfg.gate(self._probe_row)):
             return None
         t0 = time.perf_counter()
+        n_pend = self.lm.pending(self.context)  # committed tokens this pass feeds before the candidates
         sampling = self.method == Method.REJECT
         res = verify_tree(self.lm, self.context, candidates, temperature=self.temperature if sampling else 0.0,
                           generator=self.generator)
@@ -208,4 +212,6 @@ class Verifier:
         committed = res.accepted_ids + [res.next_id]
         self.context.extend(committed)
         return Verdict(accepted=len(res.accepted_ids), correction_id=res.next_id, committed_ids=committed,
-                       mismatches=[], target_time_s=time.perf_counter() - t0, copy_round=True)
+                       mismatches=[], target_time_s=time.perf_counter() - t0, copy_round=True,
+                       target_tokens=n_pend + sum(len(c) for c in candidates), copy_candidates=len(candidates),
+                       drafted=max(len(c) for c in candidates))
