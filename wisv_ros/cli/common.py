@@ -7,7 +7,7 @@ import sys
 import threading
 import time
 
-from wisv_ros.switchsd.copying import CopyConfig
+from wisv_ros.switchsd.copying import COPY_MODES, CopyConfig
 from wisv_ros.sd.drafting import Drafter
 from wisv_ros.sd.verification import Method, Verifier
 from wisv_ros.sd.lm import CausalLM
@@ -29,9 +29,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     add_pair_args(p)
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of method reject (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of sampling methods (default %(default)s)")
-    p.add_argument("--copy", default="off", choices=["off", "ngram", "probe"],
+    p.add_argument("--copy", default="off", choices=COPY_MODES,
                    help="SwitchSD copy mode on the edge: off; ngram (probe-less baseline: copy whenever the last "
-                        "--kappa tokens occurred before); probe (copy only when the --probe fires too) (default %(default)s)")
+                        "--kappa tokens occurred before); suffix (the longest earlier match of any length, the prompt-lookup "
+                        "rule); probe (ngram, and only when the --probe fires too) (default %(default)s)")
     p.add_argument("--probe", default=None, help="copy probe file (.npz from python -m wisv_ros.cli.probe train)")
     p.add_argument("--kappa", type=int, default=5, help="copy mode: suffix tokens to match (default %(default)s)")
     p.add_argument("--copy-width", type=int, default=4, help="copy mode: candidates per round, W (default %(default)s)")

@@ -48,10 +48,10 @@ from wisv_ros.sd.engines import BACKENDS, load_lm, resolve_backend
 from wisv_ros.sd.models import WEIGHT_DTYPES, resolve_dtype
 from wisv_ros.sd.rounds import EdgeReply, EdgeSessions
 from wisv_ros.sd.verification import Method
+from wisv_ros.switchsd.copying import COPY_MODES
 
 __all__ = ["VerifierNode", "main"]
 
-COPY_MODES = ("off", "ngram", "probe")
 METHODS = ("greedy", "reject", "wisv")
 
 
@@ -72,7 +72,8 @@ class VerifierNode(ServingNode):
         declare(self, "threads", 1, "CPU threads of the target's engine", lo=1, hi=256)
         declare(self, "backend", "auto", "target engine: auto (llama_cpp for GGUF weights, torch for the rest), torch (target_dtype) or llama_cpp", choices=BACKENDS)
         declare(self, "copy", "off", "SwitchSD copy mode after each block: off; ngram (copy whenever the last copy_kappa "
-                "tokens occurred before: the probe-less baseline); probe (only when the copy probe fires too)",
+                "tokens occurred before: the probe-less baseline); suffix (copy the longest earlier match of any length, the "
+                "prompt-lookup rule); probe (ngram, and only when the copy probe fires too)",
                 choices=COPY_MODES)
         declare(self, "probe_path", "", "copy probe (.npz from python -m wisv_ros.cli.probe train), needed by copy=probe")
         declare(self, "copy_kappa", 5, "copy mode: suffix tokens to match in the context (kappa)", lo=1, hi=64)

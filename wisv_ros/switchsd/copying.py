@@ -33,7 +33,9 @@ import torch
 
 from wisv_ros.sd.lm import CausalLM
 
-__all__ = ["CopyConfig", "CopyResult", "copy_candidates", "verify_tree"]
+__all__ = ["COPY_MODES", "CopyConfig", "CopyResult", "copy_candidates", "suffix_candidates", "verify_tree"]
+
+COPY_MODES = ("off", "ngram", "suffix", "probe")  # copy mode names of the verifier node and the CLIs
 
 
 @dataclasses.dataclass
@@ -44,6 +46,8 @@ class CopyConfig:
            None = the probe-less n-gram baseline (copy whenever the kappa-gram suffix matched).
     layer: (layer, kind) the target captures for the gate (the verifier's CausalLM must capture it).
     kappa, width, depth: suffix length to match, candidates per round (W), tokens per candidate (D).
+    match: "ngram" (the last ``kappa`` tokens occurred before: ``copy_candidates``) or "suffix"
+           (the longest earlier match of any length: ``suffix_candidates``, the prompt-lookup rule).
     """
 
     gate: Callable[[np.ndarray], bool] | None = None
@@ -51,18 +55,28 @@ class CopyConfig:
     kappa: int = 5
     width: int = 4
     depth: int = 16
+    match: str = "ngram"
+
+    def candidates(self, context: Sequence[int]) -> list[list[int]]:
+        """The copy candidates this mode offers after ``context`` ([]: the robot drafts)."""
+        if self.match == "suffix":
+            return suffix_candidates(context, self.width, self.depth)
+        if self.match == "ngram":
+            return copy_candidates(context, self.kappa, self.width, self.depth)
+        raise ValueError(f"copy match '{self.match}' is not ngram or suffix")
 
     @classmethod
     def for_mode(cls, mode: str, probe=None, *, kappa: int = 5, width: int = 4, depth: int = 16,
                  gate: Callable[[np.ndarray], bool] | None = None) -> "CopyConfig | None":
-        """Copy mode by name: "off" -> None; "ngram" (no gate); "probe": gated by ``probe``
-        (a ``probe.CopyProbe``) at its layer, ``gate`` replacing ``probe.fires`` (e.g. to count calls)."""
+        """Copy mode by name: "off" -> None; "ngram" and "suffix" (no gate); "probe": n-gram
+        candidates gated by ``probe`` (a ``probe.CopyProbe``) at its layer, ``gate`` replacing
+        ``probe.fires`` (e.g. to count calls)."""
         if mode == "off":
             return None
-        if mode == "ngram":
-            return cls(gate=None, kappa=kappa, width=width, depth=depth)
+        if mode in ("ngram", "suffix"):
+            return cls(gate=None, kappa=kappa, width=width, depth=depth, match=mode)
         if mode != "probe":
-            raise ValueError(f"copy mode '{mode}' is not one of off, ngram, probe")
+            raise ValueError(f"copy mode '{mode}' is not one of {', '.join(COPY_MODES)}")
         if probe is None:
             raise ValueError("copy mode probe needs a probe")
         return cls(gate=gate if gate is not None else probe.fires, layer=(probe.layer, probe.kind), kappa=kappa, width=width, depth=depth)
@@ -87,6 +101,40 @@ def copy_candidates(context: Sequence[int], kappa: int = 5, width: int = 4, dept
         if list(context[end - kappa:end]) != suffix:
             continue
         cand = list(context[end:end + depth])
+        key = tuple(cand)
+        if cand and key not in seen:
+            seen.add(key)
+            out.append(cand)
+            if len(out) == width:
+                break
+    return out
+
+
+def suffix_candidates(context: Sequence[int], width: int = 4, depth: int = 16, max_match: int = 32) -> list[list[int]]:
+    """Continuations of the earlier occurrences that match the longest end of the context (any
+    length from 1 to ``max_match``), longest match first, then most recent; at most ``width``
+    distinct, non-empty candidates of at most ``depth`` tokens. This is the candidate rule of prompt
+    lookup / SuffixDecoding: it offers a copy whenever the last token occurred before.
+    """
+    if width < 1 or depth < 1 or max_match < 1:
+        raise ValueError(f"width, depth and max_match must be >= 1 (got {width}, {depth}, {max_match})")
+    n = len(context)
+    if n < 2:
+        return []
+    last = context[-1]
+    matches: list[tuple[int, int]] = []  # (match length, end index of the earlier occurrence)
+    for e in range(n - 2, -1, -1):
+        if context[e] != last:
+            continue
+        m = 1
+        while m < max_match and e - m >= 0 and context[e - m] == context[n - 1 - m]:
+            m += 1
+        matches.append((m, e))
+    matches.sort(key=lambda t: (-t[0], -t[1]))
+    out: list[list[int]] = []
+    seen: set[tuple[int, ...]] = set()
+    for _m, e in matches:
+        cand = list(context[e + 1:e + 1 + depth])
         key = tuple(cand)
         if cand and key not in seen:
             seen.add(key)
