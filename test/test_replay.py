@@ -1,0 +1,158 @@
+"""Replay (eval.replay) against the live round protocol: on tiny random models, the rounds replayed
+from one target decode and the teacher-forced passes equal the rounds ``generate`` really runs and
+logs, for greedy SD at several K, with a confidence stop where the replay is exact, and with the
+n-gram, suffix and probe-gated copy policies."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from wisv_ros.eval.decode import decode_batch, teacher_force
+from wisv_ros.eval.replay import COPY_POLICIES, CopyPolicy, Trace, read_traces, replay_greedy
+from wisv_ros.sd.drafting import Drafter
+from wisv_ros.sd.lm import CausalLM
+from wisv_ros.sd.models import load_model
+from wisv_ros.sd.roundlog import RoundRecord
+from wisv_ros.sd.rounds import generate, generate_target_only
+from wisv_ros.sd.verification import Verifier
+from wisv_ros.switchsd.copying import CopyConfig, suffix_candidates
+
+LAYER = (1, "post_attn")
+PROMPTS = [[5, 9, 12, 3], [3, 1, 4, 1, 5, 9, 2, 6] * 3]
+N = 60
+
+
+class _Probe:
+    """A stand-in copy probe on the tiny target's layer: fires when the first feature is positive."""
+
+    layer, kind, threshold = LAYER[0], LAYER[1], 0.5
+
+    def prob(self, rows: np.ndarray) -> np.ndarray:
+        return (np.atleast_2d(rows)[:, 0] > 0).astype(np.float64)
+
+    def fires(self, row: np.ndarray) -> bool:
+        return bool(self.prob(row)[0] >= self.threshold)
+
+
+@pytest.fixture(scope="module")
+def models():
+    target_model = load_model("tiny-random:0:16")[0]
+    return CausalLM(target_model, capture=[LAYER]), CausalLM(load_model("tiny-random:0:16:0.05")[0])
+
+
+@pytest.fixture(scope="module")
+def traces(models):
+    target, drafter = models
+    out = []
+    for i, prompt in enumerate(PROMPTS):
+        cont = generate_target_only(target, prompt, N).token_ids
+        out.append(teacher_force(drafter, prompt, cont, id=f"p{i}", dataset="tiny", eos_ids=target.eos_ids(),
+                                 target=target, probe=_Probe(), chunk=7))  # small chunks: the chunking is exercised
+    return out
+
+
+def _live(models, prompt, k, copy=None, min_confidence=0.0):
+    target, drafter = models
+    recs: list[RoundRecord] = []
+    out = generate(Drafter(drafter, min_confidence=min_confidence), Verifier(target, copy=copy), prompt, N, k,
+                   round_log=recs.append)
+    return out, recs
+
+
+def _key(recs):
+    return [(r.kind, r.round_id, r.drafted, r.accepted, r.committed, r.copy_candidates) for r in recs]
+
+
+def _same_rounds(live, replayed):
+    assert len(live) == len(replayed)
+    # The last round may verify drafts past max_new_tokens (the robot clips); the replay stops at the
+    # end of the target's decode.
+    assert _key(live[:-1]) == _key(replayed[:-1])
+    assert live[-1].kind == replayed[-1].kind and replayed[-1].accepted <= live[-1].accepted
+    assert [r.prefix_length for r in live] == [r.prefix_length for r in replayed]
+    assert [r.target_tokens for r in live[:-1]] == [r.target_tokens for r in replayed[:-1]]
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_greedy_replay_equals_the_live_rounds(models, traces, k):
+    for prompt, trace in zip(PROMPTS, traces):
+        out, live = _live(models, prompt, k)
+        assert out.token_ids == trace.target_ids  # lossless: the same tokens
+        res = replay_greedy(trace, k, max_new_tokens=N)
+        _same_rounds(live, res.records)
+        assert res.bounded_rounds == 0 and res.tokens == len(out.token_ids)
+
+
+def test_confidence_stop_replay_is_exact_or_an_upper_bound(models, traces):
+    stop = 0.45
+    short = 0
+    for prompt, trace in zip(PROMPTS, traces):
+        _, live = _live(models, prompt, 6, min_confidence=stop)
+        res = replay_greedy(trace, 6, min_confidence=stop, max_new_tokens=N)
+        rep = res.records
+        assert len(live) == len(rep) and rep[-1].accepted <= live[-1].accepted  # the last round: see _same_rounds
+        assert [(r.round_id, r.accepted, r.committed) for r in live[:-1]] == [(r.round_id, r.accepted, r.committed) for r in rep[:-1]]
+        pairs = list(zip(live[:-1], rep[:-1]))
+        assert all(b.drafted >= a.drafted for a, b in pairs)  # never fewer than really drafted
+        assert sum(a.drafted == b.drafted for a, b in pairs) >= len(pairs) - res.bounded_rounds
+        short += sum(r.drafted < 6 for r in live)
+    assert short > 0, "the stop must cut some blocks short"
+
+
+@pytest.mark.parametrize("mode", ["ngram", "suffix", "probe"])
+def test_copy_policy_replay_equals_the_live_rounds(models, traces, mode):
+    policy = COPY_POLICIES[mode]
+    probe = _Probe()
+    cfg = (CopyConfig(gate=probe.fires, layer=LAYER, kappa=policy.kappa) if mode == "probe"
+           else CopyConfig.for_mode(mode, kappa=policy.kappa))
+    copies = 0
+    for prompt, trace in zip(PROMPTS, traces):
+        out, live = _live(models, prompt, 4, copy=cfg)
+        assert out.token_ids == trace.target_ids
+        res = replay_greedy(trace, 4, copy=policy, max_new_tokens=N)
+        _same_rounds(live, res.records)
+        copies += sum(r.kind == "copy" for r in live)
+    assert copies > 0, f"the repetitive prompt must give {mode} copy rounds"
+
+
+def test_suffix_candidates_take_the_longest_match_first():
+    ctx = [1, 2, 3, 9, 7, 2, 3, 8, 5, 1, 2, 3]
+    # "1 2 3" matched at the start (length 3) beats "2 3" at index 5..6 (length 2).
+    assert suffix_candidates(ctx, width=2, depth=2) == [[9, 7], [8, 5]]
+    assert suffix_candidates([4, 5], width=1, depth=3) == []
+    with pytest.raises(ValueError, match="width"):
+        suffix_candidates(ctx, width=0)
+
+
+def test_trace_checks_and_round_trip(tmp_path, traces):
+    path = tmp_path / "traces.jsonl"
+    path.write_text("".join(t.to_json() + "\n" for t in traces) + '{"id": "torn')
+    back = read_traces(path)
+    assert [t.target_ids for t in back] == [t.target_ids for t in traces]
+    with pytest.raises(ValueError, match="draft_ids/draft_prob need"):
+        Trace("x", "d", [1], [2, 3], [4], [0.5], [0])
+    with pytest.raises(ValueError, match="gated by the probe"):
+        replay_greedy(Trace("x", "d", [1], [2], [2, 3], [0.9, 0.9], [0]), 2, copy=CopyPolicy("p", gated=True))
+
+
+def test_decode_batch_equals_one_at_a_time(models):
+    """Left-padded batched greedy decoding gives each prompt's own greedy continuation."""
+    target, _ = models
+    conts = decode_batch(target.model, PROMPTS, 20, eos_ids=target.eos_ids(), pad_id=0)
+    for prompt, cont in zip(PROMPTS, conts):
+        assert cont == generate_target_only(target, prompt, 20).token_ids
+
+
+def test_humaneval_chat_answers_are_scored_by_their_code_block():
+    from wisv_ros.cli.evaluate import code_block_done, humaneval_program, score
+    from wisv_ros.eval.datasets import load_humaneval
+
+    problem = load_humaneval(limit=1)[0]  # HumanEval/0: has_close_elements, imports List from typing
+    body = problem.extra["canonical_solution"] if "canonical_solution" in problem.extra else None
+    assert body is not None, "the loader keeps the canonical solution"
+    answer = f"Here is the function:\n```python\n{problem.prompt}{body}```\nIt compares every pair."
+    assert code_block_done(answer) and not code_block_done("```python\ndef f():")
+    program = humaneval_program(problem, answer)
+    assert program.startswith("from typing import List") and "It compares" not in program
+    assert score(problem, answer)
+    assert not score(problem, answer.replace("return True", "return False"))

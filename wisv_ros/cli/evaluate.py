@@ -1,0 +1,254 @@
+"""Evaluate whole data sets: one batched target decode per problem, then every lossless method replayed.
+
+    python -m wisv_ros.cli.evaluate decode --dataset gsm8k --dataset humaneval     # resumable
+    python -m wisv_ros.cli.evaluate replay --k 4 --k 8 --k 16 --copy off --copy ngram --copy suffix --copy probe
+
+``decode`` runs the target greedily over many problems at once (a left-padded batch in torch,
+``--batch`` problems per pass), then one teacher-forced drafter pass (and, with the copy probe, one
+target pass) per problem, and appends a replay trace per problem to
+``OUT/<dataset>/traces.jsonl``; a rerun skips the problems already there. ``replay`` turns the
+traces into the round logs every method would write (``eval.replay``: exact for greedy SD at any
+K and for every copy policy; see its docstring for the one bound) at ``OUT/<dataset>/rounds/
+<system>.jsonl``, scores each problem once (the methods are lossless: they all commit the target's
+greedy text) into ``OUT/<dataset>/problems.csv``, and prints one row per (data set, system).
+Latency for a link and a hardware profile then comes from ``python -m wisv_ros.cli.latency``.
+
+Prompts are those of ``copy_eval``: GSM8K one chat message ending "The answer is N" (decoding stops
+after the answer is stated), HumanEval one chat message asking to complete the stub (decoding
+stops after the answer's code block; its code runs against the data set's tests in the sandbox of
+``eval.datasets.humaneval_pass``).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from wisv_ros.cli.bench import dataset_prompts
+from wisv_ros.cli.copy_eval import HUMANEVAL_CHAT
+from wisv_ros.eval.datasets import Problem, gsm8k_correct, humaneval_pass, load_gsm8k, load_humaneval
+from wisv_ros.eval.replay import Trace, policies, read_traces, replay_greedy
+from wisv_ros.sd.metrics import format_table
+from wisv_ros.sd.models import DEFAULT_DRAFTER, DEFAULT_TARGET, REGISTRY
+from wisv_ros.sd.roundlog import RoundLog, RoundRecord
+from wisv_ros.wisv.traces import answer_complete
+
+DATASETS = ("gsm8k", "humaneval")
+_FENCE = re.compile(r"```[a-zA-Z0-9_+-]*\n(.*?)```", re.S)
+
+
+def code_block_done(text: str) -> bool:
+    """True once a chat answer has closed its first code block."""
+    return text.count("```") >= 2
+
+
+def stop_rule(dataset: str):
+    return answer_complete if dataset == "gsm8k" else code_block_done
+
+
+def humaneval_program(problem: Problem, answer: str) -> str:
+    """The code of a chat answer (its first code block, else the whole text), with the stub's imports."""
+    m = _FENCE.search(answer)
+    code = m.group(1) if m else answer
+    imports = [ln for ln in problem.prompt.splitlines() if ln.startswith(("import ", "from "))]
+    return "\n".join(imports) + "\n" + code + "\n"
+
+
+def score(problem: Problem, text: str) -> bool:
+    if problem.dataset == "gsm8k":
+        return gsm8k_correct(text, problem.answer)
+    prog = humaneval_program(problem, text)
+    return humaneval_pass(Problem(problem.id, problem.dataset, prog, problem.answer, problem.extra), "")
+
+
+def problems_of(dataset: str) -> dict[str, Problem]:
+    return {p.id: p for p in (load_gsm8k() if dataset == "gsm8k" else load_humaneval())}
+
+
+def prompts_of(dataset: str, limit: int | None) -> list[tuple[str, object]]:
+    rows = dataset_prompts(dataset, limit if limit is not None else 10_000)
+    if dataset == "humaneval":
+        return [(pid, [{"role": "user", "content": HUMANEVAL_CHAT.format(stub=stub)}]) for pid, stub, _ in rows]
+    return [(pid, prompt) for pid, prompt, _ in rows]
+
+
+def _cut_at_stop(tok, ids: list[int], stop) -> list[int]:
+    """The shortest prefix of ``ids`` whose text satisfies ``stop`` (all of them if none does)."""
+    for n in range(1, len(ids) + 1):
+        if stop(tok.decode(ids[:n], skip_special_tokens=True)):
+            return ids[:n]
+    return ids
+
+
+def cmd_decode(args) -> int:
+    import torch
+
+    from wisv_ros.eval.decode import decode_batch, teacher_force
+    from wisv_ros.sd.drafting import encode_prompt
+    from wisv_ros.sd.lm import CausalLM
+    from wisv_ros.sd.models import load_model
+    from wisv_ros.switchsd.probe import load_probe
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    probe = load_probe(args.probe) if args.probe else None
+    target_model, tok = load_model(args.target, args.dtype)
+    drafter_model, dtok = load_model(args.drafter, args.dtype)
+    if dtok is not None and tok is not None and dtok.get_vocab() != tok.get_vocab():
+        raise SystemExit(f"error: replay needs a drafter with the target's vocabulary; {args.drafter} and {args.target} differ")
+    target = CausalLM(target_model, tok, capture=[(probe.layer, probe.kind)] if probe else [])
+    drafter = CausalLM(drafter_model, dtok)
+    eos = target.eos_ids()
+    pad = tok.pad_token_id if tok.pad_token_id is not None else sorted(eos)[0]
+    for ds in args.dataset:
+        out = Path(args.out) / ds
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / "traces.jsonl"
+        done = {t.id for t in read_traces(path)}
+        todo = [(pid, encode_prompt(tok, prompt, True)) for pid, prompt in prompts_of(ds, args.limit) if pid not in done]
+        (out / "config.json").write_text(json.dumps({"target": args.target, "drafter": args.drafter, "dtype": args.dtype,
+                                                      "max_new_tokens": args.max_new_tokens, "probe": args.probe or ""}, indent=1))
+        stop = stop_rule(ds)
+        bar = tqdm(total=len(todo), desc=f"decode {ds}", unit="problem", file=sys.stderr)
+        with open(path, "a", encoding="utf-8") as f:
+            for start in range(0, len(todo), args.batch):
+                part = sorted(todo[start:start + args.batch], key=lambda t: len(t[1]))
+                conts = decode_batch(target.model, [ids for _, ids in part], args.max_new_tokens, eos, pad, stop=stop, tokenizer=tok)
+                for (pid, ids), cont in zip(part, conts):
+                    cont = _cut_at_stop(tok, cont, stop)
+                    trace = teacher_force(drafter, ids, cont, id=pid, dataset=ds, eos_ids=eos, target=target if probe else None,
+                                          probe=probe, text=tok.decode(cont, skip_special_tokens=True))
+                    f.write(trace.to_json() + "\n")
+                    f.flush()
+                    bar.update(1)
+        bar.close()
+    return 0
+
+
+def system_name(k: int, copy: str) -> str:
+    return f"greedy_k{k}" + ("" if copy == "off" else f"+{copy}")
+
+
+def target_only_records(trace: Trace) -> list[RoundRecord]:
+    """The target-only run of a trace: one pass per token (the first also prefills the prompt)."""
+    p = len(trace.prompt_ids)
+    return [RoundRecord(request_id=trace.id, round_id=i, kind="target", method="target_only", prefix_length=p + i, committed=1,
+                        target_tokens=p if i == 0 else 1) for i in range(len(trace.target_ids))]
+
+
+def cmd_replay(args) -> int:
+    from wisv_ros.switchsd.probe import load_probe
+
+    threshold = load_probe(args.probe).threshold if args.probe else None
+    rows = []
+    for ds in args.dataset:
+        base = Path(args.out) / ds
+        traces = read_traces(base / "traces.jsonl")
+        if not traces:
+            raise SystemExit(f"error: no traces in {base / 'traces.jsonl'}; run: python -m wisv_ros.cli.evaluate decode --dataset {ds}")
+        cfg = json.loads((base / "config.json").read_text())
+        hidden_dim, vocab = _pair_dims(cfg)
+        probs = problems_of(ds)
+        # Accuracy: once per problem (every method commits the same greedy text).
+        scored = {}
+        for t in tqdm(traces, desc=f"score {ds}", unit="problem", file=sys.stderr):
+            scored[t.id] = score(probs[t.id], t.text)
+        with open(base / "problems.csv", "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["id", "tokens", "correct"])
+            for t in traces:
+                w.writerow([t.id, len(t.target_ids), int(scored[t.id])])
+        (base / "rounds").mkdir(exist_ok=True)
+        systems = [("target_only", None, None)]
+        for k in args.k:
+            for name, pol in zip(args.copy, policies(args.copy, threshold)):
+                if pol is not None and pol.gated and not traces[0].probe_prob:
+                    print(f"[replay] {ds}: no probe in the traces, skipping copy policy {name}", file=sys.stderr)
+                    continue
+                systems.append((system_name(k, name), k, pol))
+        for system, k, pol in systems:
+            t0 = time.perf_counter()
+            rounds = copies = copied = tokens = bounded = 0
+            with RoundLog(base / "rounds" / f"{system}.jsonl", vocab_size=vocab, hidden_dim=hidden_dim) as log:
+                for t in traces:
+                    if k is None:
+                        recs = target_only_records(t)
+                    else:
+                        res = replay_greedy(t, k, min_confidence=args.min_confidence, copy=pol, max_new_tokens=cfg["max_new_tokens"])
+                        recs, bounded = res.records, bounded + res.bounded_rounds
+                    for r in recs:
+                        log(r)
+                    tokens += len(t.target_ids)
+                    rounds += sum(r.kind != "copy" for r in recs)
+                    copies += sum(r.kind == "copy" for r in recs)
+                    copied += sum(r.accepted for r in recs if r.kind == "copy")
+            n_rounds = rounds + copies
+            rows.append({"dataset": ds, "system": system, "problems": len(traces), "tokens": tokens, "rounds": n_rounds,
+                         "aal": round(tokens / n_rounds, 3), "copy_rounds": copies,
+                         "copy_aal": round(copied / copies, 3) if copies else "",
+                         "accuracy": round(sum(scored.values()) / len(traces), 3), "bounded_rounds": bounded,
+                         "replay_s": round(time.perf_counter() - t0, 1)})
+    print(format_table(rows))
+    with open(Path(args.out) / "replay_summary.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return 0
+
+
+def _pair_dims(cfg: dict) -> tuple[int, int]:
+    """(drafter hidden size, target vocabulary) from the models' config files (no weights loaded)."""
+    from transformers import AutoConfig
+
+    from wisv_ros.sd.models import resolve
+
+    d = AutoConfig.from_pretrained(resolve(cfg["drafter"])).get_text_config().hidden_size
+    v = AutoConfig.from_pretrained(resolve(cfg["target"])).get_text_config().vocab_size
+    return int(d), int(v)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m wisv_ros.cli.evaluate", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    names = ", ".join(REGISTRY)
+    for name in ("decode", "replay"):
+        s = sub.add_parser(name)
+        s.add_argument("--dataset", action="append", choices=DATASETS, help="gsm8k and/or humaneval (repeatable; default both)")
+        s.add_argument("--out", default="runs/eval", help="traces and round logs, per data set (default %(default)s)")
+        s.add_argument("--probe", default=None, help="copy probe .npz (default: config/probes/<target>_copy.npz if it exists)")
+        s.add_argument("--target", default=DEFAULT_TARGET, help=f"target model: {names} (default %(default)s)")
+    dec = sub.choices["decode"]
+    dec.add_argument("--drafter", default=DEFAULT_DRAFTER, help="drafter model, same vocabulary as the target (default %(default)s)")
+    dec.add_argument("--limit", type=int, default=None, help="problems per data set (default: all, 100 / 164)")
+    dec.add_argument("--batch", type=int, default=16, help="problems decoded at once (default %(default)s)")
+    dec.add_argument("--max-new-tokens", type=int, default=384, help="cap per problem (default %(default)s)")
+    dec.add_argument("--dtype", default="auto", help="torch weights dtype (default %(default)s: bfloat16 where the CPU has it)")
+    dec.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    rep = sub.choices["replay"]
+    rep.add_argument("--k", type=int, action="append", help="block sizes (repeatable; default 4, 8, 16)")
+    rep.add_argument("--copy", action="append", help="copy policies off, ngram, suffix, probe (repeatable; default all)")
+    rep.add_argument("--min-confidence", type=float, default=0.0, help="drafter confidence stop (default %(default)s)")
+    args = p.parse_args(argv)
+    args.dataset = args.dataset or list(DATASETS)
+    if args.probe is None:
+        default = Path(__file__).resolve().parents[2] / "config" / "probes" / f"{args.target}_copy.npz"
+        args.probe = str(default) if default.is_file() else ""
+    if args.cmd == "decode":
+        if args.batch < 1 or args.max_new_tokens < 1:
+            p.error("--batch and --max-new-tokens must be >= 1")
+        return cmd_decode(args)
+    args.k = args.k or [4, 8, 16]
+    args.copy = args.copy or ["off", "ngram", "suffix", "probe"]
+    if any(k < 1 for k in args.k):
+        p.error("--k must be >= 1")
+    return cmd_replay(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
