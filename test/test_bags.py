@@ -349,7 +349,7 @@ def _reverify(recorded, target: str, name: str, head: bool = True):
     out_csv = recorded["tmp"] / f"{name}.csv"
     extra = ["--head", recorded["head"]] if head else []
     proc = _cli("reverify", str(recorded["bag"]), "--target", target, "--target-dtype", "float32", "--csv", str(out_csv),
-                *extra)
+                "--round-log", str(recorded["tmp"] / f"{name}_rounds.jsonl"), *extra)
     out, err = proc.communicate(timeout=300)
     rows = {r["request_id"]: r for r in csv.DictReader(out_csv.open())} if out_csv.exists() else {}
     return proc.returncode, out, err, rows
@@ -370,6 +370,15 @@ def test_reverify_reproduces_every_recorded_verdict(recorded):
     # The head accepted mismatches at 20 Mbit/s (fewer rounds than greedy), rejected them at 500.
     rounds = {name: result.rounds for name, (_, result) in recorded["outcomes"].items()}
     assert rounds["sh_20mbps"] < rounds["fh"] == rounds["fh_500mbps"], rounds
+    # The re-run wrote its round log: one block record per recorded round, the head's acceptances in it.
+    from wisv_ros.sd.roundlog import read_round_log
+
+    log = list(read_round_log(recorded["tmp"] / "same_rounds.jsonl"))
+    for name, (rid, result) in recorded["outcomes"].items():
+        mine = [r for r in log if r.request_id == rid]
+        assert len(mine) == result.rounds and all(r.kind == "block" for r in mine), name
+    sh = [r for r in log if r.request_id == recorded["outcomes"]["sh_20mbps"][0]]
+    assert any(r.head_accepted for r in sh) and all(r.protocol == "sh" for r in sh)
 
 
 def test_reverify_without_the_head_differs_where_the_head_accepted(recorded):

@@ -34,6 +34,12 @@ def test_system_bench_runs_the_graph_and_accounts_the_link(tmp_path):
         for c, t in [("greedy", "nan"), ("fh", "0.5"), ("fh", "2.0"), ("sh", "0.5"), ("sh", "2.0"),
                      ("target_stream", "nan"), ("colocated", "nan")]}
     assert {r["head"] for r in summary if r["config"] in ("greedy", "fh", "sh")} == {"rnd"}
+    # Every goal's rounds are in the verifier's round log, and the cost model priced them.
+    rows = list(csv.DictReader(open(out / "rows.csv")))
+    nodes = [r for r in rows if r["config"] in ("greedy", "fh", "sh")]
+    assert nodes and all(float(r["log_rounds"]) == float(r["rounds"]) for r in nodes), [(r["rounds"], r["log_rounds"]) for r in nodes]
+    assert all(0 < float(r["model_ms_per_token"]) <= float(r["ms_per_token"]) * 1.05 for r in nodes)
+    print("model_error", [(r["scenario"], r["config"], round(float(r["model_error"]), 3)) for r in nodes])
     # tau 2.0 accepts every draft: more tokens per round than tau 0.5 with the same head.
     for s in ("direct", "20mbps_5ms"):
         aal = {r["tau"]: float(r["aal"]) for r in summary if r["scenario"] == s and r["config"] == "fh"}

@@ -406,6 +406,11 @@ def _reverify(args) -> int:
         head_judge = make_judge(head, lambda: channel_now[0])
 
     reports: list[RequestReport] = []
+    round_log = None
+    if args.round_log:
+        from wisv_ros.sd.roundlog import RoundLog
+
+        round_log = RoundLog(args.round_log, vocab_size=lm.vocab_size)
     for ns in namespaces:
         pre = "" if ns == "/" else ns
         wanted = [t for t in (f"{pre}/draft_block", f"{pre}/verdict", f"{pre}/hidden_reply", f"{pre}/channel_state") if t in topics]
@@ -428,7 +433,7 @@ def _reverify(args) -> int:
         by_request: dict[str, RequestReport] = {}
         # The edge side of the round protocol, as verifier_node runs it (no copy rounds: a recorded
         # verdict's copied tokens are compared as recorded, not re-run).
-        edge = EdgeSessions(lm, method=Method.parse(args.method), judge=head_judge, seed=args.seed)
+        edge = EdgeSessions(lm, method=Method.parse(args.method), judge=head_judge, seed=args.seed, round_log=round_log)
         seen: set[tuple[str, int]] = set()
 
         def recorded_hiddens(req, positions):  # SH: the hiddens the drafter sent back, as recorded
@@ -492,6 +497,9 @@ def _reverify(args) -> int:
         reports.extend(by_request.values())
 
     _print_reverify(reports)
+    if round_log is not None:
+        round_log.close()
+        print(f"[reverify] wrote {round_log.records} rounds to {args.round_log}", file=sys.stderr)
     if args.csv:
         with open(args.csv, "w", newline="", encoding="utf-8") as f:
             w = csv.writer(f)
@@ -560,6 +568,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--namespace", action="append", help="only this namespace (repeatable; default: every one with draft_block and verdict)")
     v.add_argument("--threads", type=int, default=1, help="torch CPU threads (default %(default)s)")
     v.add_argument("--csv", default=None, help="also write the per-request table to this CSV file")
+    v.add_argument("--round-log", default=None, help="write the re-run rounds as a round log (JSON lines, wisv_ros.sd.roundlog)")
     return p
 
 

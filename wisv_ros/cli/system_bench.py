@@ -40,6 +40,13 @@ the emulator's relay hops and executor wake-ups, outside model compute and emula
 Losses (PER) add retransmission time that ``nominal_ms`` leaves out, so in the lossy scenarios
 overhead_ms is an upper bound; ``direct`` has no emulated delay, no loss and no relay: its
 overhead_ms is what ROS 2 itself costs a round. Prints a table, writes CSV and a plot.
+
+Validation of the cost model (``wisv_ros.eval.latency``): the verifier writes a round log
+(``rounds_<scenario>_<head>.jsonl``); for every goal the latency computed from its own rounds (the
+compute they logged, the scenario's link by the emulator's cost model) is ``model_ms_per_token``,
+and ``model_error`` = measured / computed - 1. ``log_rounds`` counts the goal's rounds in the log
+(equal to ``rounds`` unless a round was lost). The gap is what the model leaves out: ROS 2, the
+relay hops and executor wake-ups (``direct`` shows it without an emulated link).
 Run it alone: other load on the CPU shows up as model time and overhead.
 """
 from __future__ import annotations
@@ -133,7 +140,10 @@ def run_scenario(scenario: str, head: tuple[str, str], configs: list[str], promp
     robot_sets = [f"drafter.min_confidence:={args.min_confidence}", f"drafter.verdict_timeout_s:={args.verdict_timeout}",
                   "drafter.on_edge_loss:=error", f"drafter.backend:={args.drafter_backend}"]
     head_label, head_path = head
-    edge_sets = [f"verifier.target_dtype:={args.target_dtype}", f"verifier.backend:={args.target_backend}"] + ([f"verifier.head_path:={head_path}"] if head_path else [])
+    round_log = (log_dir / f"rounds_{scenario}_{head_label}.jsonl").resolve()
+    round_log.unlink(missing_ok=True)
+    edge_sets = [f"verifier.target_dtype:={args.target_dtype}", f"verifier.backend:={args.target_backend}",
+                 f"verifier.round_log:={round_log}"] + ([f"verifier.head_path:={head_path}"] if head_path else [])
     if scenario == DIRECT:  # the edge graph's link topics are remapped into /robot: no relay
         commands = build_commands("robot", arguments, robot_sets) + build_commands(
             "edge", {"target_model": args.target}, edge_sets)
@@ -155,6 +165,7 @@ def run_scenario(scenario: str, head: tuple[str, str], configs: list[str], promp
         for _ in range(args.warmup):  # first passes are slow (allocations, caches): not measured
             _start_goal(client, prompts[0][0], dict(CONFIGS[configs[0]], max_new_tokens=8, k=args.k[0]),
                         waiter).outcome(args.timeout)
+        seen = len(_read_log(round_log))  # the warm-up's rounds are not a goal's
         runs = [(c, k, tau) for c in configs for k in args.k
                 for tau in (args.tau if CONFIGS[c]["method"] == "wisv" else [float("nan")])]
         # Prompt-major: every configuration runs on a prompt before the next prompt, so that slow
@@ -172,7 +183,9 @@ def run_scenario(scenario: str, head: tuple[str, str], configs: list[str], promp
                 r = out.result
                 if out.status_name != "succeeded" or not r.rounds:
                     raise RuntimeError(f"{desc} prompt {i}: {out.status_name}: {r.error} (log: {log.name})")
-                rows.append(_row(scenario, head_label, config, k, tau, i, r, _accuracy(r.text, answer)))
+                logged = _read_log(round_log)
+                mine, seen = logged[seen:], len(logged)
+                rows.append(_row(scenario, head_label, config, k, tau, i, r, _accuracy(r.text, answer), mine))
                 bar.update(1)
         bar.close()
     finally:
@@ -184,17 +197,35 @@ def run_scenario(scenario: str, head: tuple[str, str], configs: list[str], promp
     return rows
 
 
-def _row(scenario: str, head: str, config: str, k: int, tau: float, prompt: int, r, accuracy: float) -> dict:
+def _read_log(path: Path) -> list:
+    from wisv_ros.sd.roundlog import read_round_log
+
+    return list(read_round_log(path)) if path.is_file() else []
+
+
+def _model_latency_s(records: list, scenario: str) -> float:
+    """The latency the cost model gives a goal's own rounds: logged compute + the scenario's link."""
+    from wisv_ros.eval.latency import MeasuredCompute, request_rows
+
+    if not records:
+        return float("nan")
+    return sum(row["latency_s"] for row in request_rows(records, _channel(scenario), MeasuredCompute(), protocol="logged"))
+
+
+def _row(scenario: str, head: str, config: str, k: int, tau: float, prompt: int, r, accuracy: float, records: list) -> dict:
     state = _channel(scenario)
     n = len(r.token_ids)
     up, down = r.uplink_bytes / r.rounds, r.downlink_bytes / r.rounds
     link = (r.round_trip_s - r.edge_time_s) / r.rounds
     nominal = _nominal_round_s(state, up, down, 1.0 + r.hidden_requests / r.rounds)
+    model = _model_latency_s(records, scenario)
     return {"scenario": scenario, "head": head, "config": config, "k": k, "tau": tau, "prompt": prompt,
             "accuracy": accuracy, "tokens": n, "rounds": r.rounds,
             "aal": n / r.rounds, "latency_s": r.latency_s, "ms_per_token": 1e3 * r.latency_s / max(n, 1),
             "up_B": up, "down_B": down, "link_ms": 1e3 * link, "nominal_ms": 1e3 * nominal,
-            "overhead_ms": 1e3 * (link - nominal), "draft_time_s": r.draft_time_s, "edge_time_s": r.edge_time_s}
+            "overhead_ms": 1e3 * (link - nominal), "draft_time_s": r.draft_time_s, "edge_time_s": r.edge_time_s,
+            "log_rounds": sum(rec.kind == "block" for rec in records),
+            "model_ms_per_token": 1e3 * model / max(n, 1), "model_error": r.latency_s / model - 1.0}
 
 
 def run_baselines(prompts: list[tuple[str, str | None]], scenarios: list[str], args,
@@ -242,12 +273,14 @@ def run_baselines(prompts: list[tuple[str, str | None]], scenarios: list[str], a
                              "aal": n / max(rounds, 1), "latency_s": t + link,
                              "ms_per_token": 1e3 * (t + link) / max(n, 1), "up_B": float("nan"),
                              "down_B": float("nan"), "link_ms": float("nan"), "nominal_ms": float("nan"),
-                             "overhead_ms": float("nan"), "draft_time_s": float("nan"), "edge_time_s": float("nan")})
+                             "overhead_ms": float("nan"), "draft_time_s": float("nan"), "edge_time_s": float("nan"),
+                             "log_rounds": float("nan"), "model_ms_per_token": float("nan"), "model_error": float("nan")})
     return rows
 
 
 KEYS = ["scenario", "head", "config", "k", "tau"]
-SUMMARY = ["accuracy", "tokens", "rounds", "aal", "ms_per_token", "up_B", "down_B", "link_ms", "nominal_ms", "overhead_ms"]
+SUMMARY = ["accuracy", "tokens", "rounds", "aal", "ms_per_token", "up_B", "down_B", "link_ms", "nominal_ms", "overhead_ms",
+           "model_ms_per_token", "model_error"]
 
 
 def summarize(rows: list[dict]) -> list[dict]:

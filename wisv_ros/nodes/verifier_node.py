@@ -80,6 +80,8 @@ class VerifierNode(ServingNode):
         declare(self, "copy_width", 4, "copy mode: candidate continuations verified per copy round (W)", lo=1, hi=64)
         declare(self, "copy_depth", 16, "copy mode: tokens per candidate (D)", lo=1, hi=256)
         declare(self, "copy_max_rounds", 32, "copy mode: at most this many copy rounds after one block", lo=1, hi=100000)
+        declare(self, "round_log", "", "append one JSON record per verified round to this file (wisv_ros.sd.roundlog; "
+                "python -m wisv_ros.cli.latency reads it); '' = off")
         for name, choices in (("copy", COPY_MODES), ("target_dtype", WEIGHT_DTYPES), ("default_channel", tuple(SCENARIOS)),
                               ("method", METHODS), ("backend", BACKENDS)):
             if self._param(name) not in choices:
@@ -108,6 +110,7 @@ class VerifierNode(ServingNode):
             self.create_timer(deadline / 4, self._check_channel_deadline)
 
         self._edge: EdgeSessions | None = None
+        self._round_log = None  # roundlog.RoundLog while loaded, when round_log is set
         self._load_error: str | None = None
         self._channel: LinkChannel | None = None  # latest channel state (input of the WISV head)
         self._hiddens = HiddenFetch(self)  # SH: drafter hiddens on request
@@ -120,6 +123,9 @@ class VerifierNode(ServingNode):
 
     def _release(self) -> None:
         self._edge = None  # the target and every request's session
+        if self._round_log is not None:
+            self._round_log.close()
+            self._round_log = None
 
     def _load(self) -> bool:
         try:
@@ -151,9 +157,13 @@ class VerifierNode(ServingNode):
                                        width=int(self._param("copy_width")), depth=int(self._param("copy_depth")))
             lm.feed(list(range(8)), n_logits=1)  # warm-up: the first pass pages the weights in, sets up the kernels
             lm.reset()
+            if self._param("round_log"):
+                from wisv_ros.sd.roundlog import RoundLog
+
+                self._round_log = RoundLog(self._param("round_log"), vocab_size=lm.vocab_size, append=True)
             self._edge = EdgeSessions(lm, method=Method(self._param("method")), judge=judge, copy=copy,
                                       seed=int(self._param("seed")), max_requests=int(self._param("max_requests")),
-                                      copy_max_rounds=int(self._param("copy_max_rounds")))
+                                      copy_max_rounds=int(self._param("copy_max_rounds")), round_log=self._round_log)
             self.get_logger().info(f"target {spec} ({backend}, {dtype}) loaded and warmed up in {time.perf_counter() - t0:.1f} s"
                                    + (f"; decision head {head_path}" if head_path else "; no decision head"))
             return True

@@ -132,6 +132,7 @@ class RoundLog:
             self._stream, self._own = out, False
         self.vocab_size, self.hidden_dim = vocab_size, hidden_dim
         self._lock = threading.Lock()
+        self._closed = False
         self.records = 0
 
     def __call__(self, rec: RoundRecord) -> None:
@@ -143,13 +144,17 @@ class RoundLog:
         rec = dataclasses.replace(rec, **round_bytes(rec, rec.hidden_dim, self.vocab_size))
         line = rec.to_json() + "\n"
         with self._lock:
+            if self._closed:  # a round that finished while the owner shut the log: dropped, not an error
+                return
             self._stream.write(line)
             self._stream.flush()
             self.records += 1
 
     def close(self) -> None:
-        if self._own:
-            self._stream.close()
+        with self._lock:
+            self._closed = True
+            if self._own:
+                self._stream.close()
 
     def __enter__(self) -> "RoundLog":
         return self
