@@ -2,6 +2,7 @@
 
     python -m wisv_ros.cli.evaluate decode --dataset gsm8k --dataset humaneval     # resumable
     python -m wisv_ros.cli.evaluate replay --k 4 --k 8 --k 16 --copy off --copy ngram --copy suffix --copy probe
+    python -m wisv_ros.cli.evaluate report --results docs/results
 
 ``decode`` runs the target greedily over many problems at once (a left-padded batch in torch,
 ``--batch`` problems per pass), then one teacher-forced drafter pass (and, with the copy probe, one
@@ -11,7 +12,12 @@ traces into the round logs every method would write (``eval.replay``: exact for 
 K and for every copy policy; see its docstring for the one bound) at ``OUT/<dataset>/rounds/
 <system>.jsonl``, scores each problem once (the methods are lossless: they all commit the target's
 greedy text) into ``OUT/<dataset>/problems.csv``, and prints one row per (data set, system).
-Latency for a link and a hardware profile then comes from ``python -m wisv_ros.cli.latency``.
+``report`` prices every round log on the four link scenarios with each deployment of
+``config/hardware_profiles.yaml`` (``eval.latency``: this machine as measured by engine_bench, and
+the projected Jetson Orin robot + L4-class edge) and writes ``--results``: ``summary.csv`` /
+``summary.md`` (95 % bootstrap intervals over problems), ``accuracy.csv`` and the plots
+``latency_by_scenario.png``, ``aal_by_k.png`` and ``copy.png``; the README's results table between
+its ``results:begin`` / ``results:end`` markers is rewritten from it.
 
 Prompts are those of ``copy_eval``: GSM8K one chat message ending "The answer is N" (decoding stops
 after the answer is stated), HumanEval one chat message asking to complete the stub (decoding
@@ -202,6 +208,176 @@ def cmd_replay(args) -> int:
     return 0
 
 
+REPORT_SCENARIOS = ("20mbps_5ms", "20mbps_50ms", "500mbps_5ms", "500mbps_50ms")
+
+
+def cmd_report(args) -> int:
+    from wisv_ros.eval.latency import ProfileCompute, latency_report, load_profiles
+
+    profiles = load_profiles(args.profiles)
+    results = Path(args.results)
+    results.mkdir(parents=True, exist_ok=True)
+    rows, accuracy = [], []
+    for ds in args.dataset:
+        base = Path(args.out) / ds
+        logs = sorted((base / "rounds").glob("*.jsonl"), key=_system_order)
+        if not logs:
+            raise SystemExit(f"error: no round logs in {base / 'rounds'}; run: python -m wisv_ros.cli.evaluate replay --dataset {ds}")
+        probs = list(csv.DictReader(open(base / "problems.csv")))
+        accuracy.append({"dataset": ds, "problems": len(probs), "correct": sum(int(r["correct"]) for r in probs),
+                         "accuracy": round(sum(int(r["correct"]) for r in probs) / len(probs), 3)})
+        jobs = [(log, dep, sc) for log in logs for dep in args.deployment for sc in REPORT_SCENARIOS]
+        for log, dep, sc in tqdm(jobs, desc=f"report {ds}", unit="case", file=sys.stderr):
+            deployment = profiles.deployment(dep)
+            _, agg = latency_report(log, sc, ProfileCompute(deployment), protocol="ids", n_boot=args.bootstrap)
+            rows.append({"dataset": ds, "system": log.stem, "deployment": dep, "scenario": sc, "problems": agg["requests"],
+                         "tokens": agg["tokens"], "rounds": agg["rounds"] + agg["copy_rounds"],
+                         "aal": round(agg["tokens"] / (agg["rounds"] + agg["copy_rounds"]), 3),
+                         "copy_rounds": agg["copy_rounds"], "round_trips": agg["rounds"],
+                         "ms_per_token": round(agg["ms_per_token"], 2), "ms_lo": round(agg["ms_per_token_lo"], 2),
+                         "ms_hi": round(agg["ms_per_token_hi"], 2),
+                         "target_alone_ms": round(agg["target_alone_ms_per_token"], 2),
+                         "both_on_edge_ms": round(agg["both_on_edge_ms_per_token"], 2),
+                         "speedup_vs_target_alone": round(agg["speedup_vs_target_alone"], 3),
+                         "compute": agg["compute"]})
+    _write_csv(results / "summary.csv", rows)
+    _write_csv(results / "accuracy.csv", accuracy)
+    md = _report_markdown(rows, accuracy, args)
+    (results / "summary.md").write_text(md)
+    _report_plots(rows, results)
+    _update_readme(Path(args.readme), md)
+    print(md)
+    return 0
+
+
+def _system_order(path: Path) -> tuple:
+    """target_only, then by K, each K without copy first, then ngram, suffix, probe."""
+    name = path.stem
+    if name == "target_only":
+        return (0, 0, 0)
+    k, _, copy = name.removeprefix("greedy_k").partition("+")
+    return (1, int(k), ["", "ngram", "suffix", "probe"].index(copy) if copy in ("", "ngram", "suffix", "probe") else 9)
+
+
+def _write_csv(path: Path, rows: list[dict]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def _report_markdown(rows: list[dict], accuracy: list[dict], args) -> str:
+    """The headline table: per data set and deployment, on 20 Mbit/s with 50 ms RTT, each system's
+    latency per token against the two alternatives a user would run instead."""
+    lines = [f"Generated by `python -m wisv_ros.cli.evaluate report` from `{args.out}` "
+             "(target Qwen2.5-Coder-1.5B-Instruct, drafter Qwen2.5-Coder-0.5B-Instruct, greedy, lossless: every "
+             "system commits the target's greedy text). Link 20 Mbit/s, PER 1 %, RTT 50 ms; ms per token with a 95 % "
+             "bootstrap interval over problems. `embedded_default`: compute measured on this machine (engine_bench, "
+             "llama.cpp, 1 thread); `orin_robot_l4_edge`: **projected** from published figures "
+             "(config/hardware_profiles.yaml names every source).", ""]
+    lines += ["| data set | deployment | system | AAL (tokens per round, copy rounds included) | ms/token [95 % CI] "
+              "| target alone on the edge | both models on the edge | speedup vs target alone |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["scenario"] != "20mbps_50ms" or r["system"] == "target_only":
+            continue
+        lines.append(f"| {r['dataset']} | {r['deployment']} | {r['system']} | {r['aal']} | {r['ms_per_token']} "
+                     f"[{r['ms_lo']}, {r['ms_hi']}] | {r['target_alone_ms']} | {r['both_on_edge_ms']} | {r['speedup_vs_target_alone']} |")
+    lines += ["", "Accuracy of the target's greedy answers (the same for every system above): "
+              + "; ".join(f"{a['dataset']} {a['correct']}/{a['problems']} ({100 * a['accuracy']:.1f} %)" for a in accuracy)
+              + " (GSM8K: exact final number; HumanEval: pass@1 of the answer's code block, sandboxed).", ""]
+    return "\n".join(lines)
+
+
+def _report_plots(rows: list[dict], results: Path) -> None:
+    import numpy as np
+    from matplotlib.figure import Figure
+
+    datasets = list(dict.fromkeys(r["dataset"] for r in rows))
+    deps = list(dict.fromkeys(r["deployment"] for r in rows))
+    systems = [s for s in dict.fromkeys(r["system"] for r in rows) if s != "target_only"]
+    shown = [s for s in ("greedy_k4", "greedy_k8", "greedy_k16", "greedy_k8+ngram", "greedy_k8+suffix", "greedy_k8+probe")
+             if s in systems] or systems[:8]
+    fig = Figure(figsize=(6.5 * len(deps), 3.6 * len(datasets)), dpi=100)
+    axes = np.atleast_2d(fig.subplots(len(datasets), len(deps), squeeze=False))
+    for i, ds in enumerate(datasets):
+        for j, dep in enumerate(deps):
+            ax = axes[i, j]
+            sub = [r for r in rows if r["dataset"] == ds and r["deployment"] == dep]
+            scen = list(dict.fromkeys(r["scenario"] for r in sub))
+            names = ["target alone", "both on edge"] + shown
+            width = 0.85 / len(names)
+            for n, name in enumerate(names):
+                ys, err = [], []
+                for sc in scen:
+                    if name in ("target alone", "both on edge"):  # the baselines, priced on the greedy K 8 rounds
+                        r = next(r for r in sub if r["scenario"] == sc and r["system"] == (shown[1] if len(shown) > 1 else shown[0]))
+                        ys.append(r["target_alone_ms"] if name == "target alone" else r["both_on_edge_ms"])
+                        err.append((0, 0))
+                    else:
+                        r = next(r for r in sub if r["scenario"] == sc and r["system"] == name)
+                        ys.append(r["ms_per_token"])
+                        err.append((r["ms_per_token"] - r["ms_lo"], r["ms_hi"] - r["ms_per_token"]))
+                xs = np.arange(len(scen)) + (n - (len(names) - 1) / 2) * width
+                ax.bar(xs, ys, width, yerr=np.array(err).T, label=name, color=f"C{n}" if n else "black")
+            ax.set_xticks(np.arange(len(scen)), scen, fontsize=7)
+            ax.set_ylabel("ms per token")
+            ax.set_title(f"{ds}, {dep}" + (" (projected)" if dep != "embedded_default" else ""), fontsize=9)
+            ax.grid(axis="y", alpha=0.3)
+    axes[0, 0].legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(results / "latency_by_scenario.png")
+    # AAL and rounds by K (greedy without copy), per data set.
+    fig = Figure(figsize=(9, 3.4), dpi=100)
+    a1, a2 = fig.subplots(1, 2)
+    for ds in datasets:
+        pts = sorted((int(r["system"].split("_k")[1]), r["aal"], r["rounds"] / r["problems"]) for r in rows
+                     if r["dataset"] == ds and re.fullmatch(r"greedy_k\d+", r["system"])
+                     and r["deployment"] == deps[0] and r["scenario"] == "20mbps_50ms")
+        a1.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=ds)
+        a2.plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=ds)
+    a1.set_xlabel("K")
+    a1.set_ylabel("AAL (tokens per round)")
+    a2.set_xlabel("K")
+    a2.set_ylabel("rounds per problem")
+    a1.legend()
+    for ax in (a1, a2):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(results / "aal_by_k.png")
+    # Copy rounds: accepted tokens per copy round and share of rounds, per policy and data set.
+    fig = Figure(figsize=(9, 3.4), dpi=100)
+    a1, a2 = fig.subplots(1, 2)
+    copy_systems = [s for s in systems if "+" in s]
+    width = 0.8 / max(len(datasets), 1)
+    for d, ds in enumerate(datasets):
+        sub = {r["system"]: r for r in rows if r["dataset"] == ds and r["deployment"] == deps[0] and r["scenario"] == "20mbps_50ms"}
+        rate = [sub[s]["copy_rounds"] / sub[s]["rounds"] if s in sub else 0 for s in copy_systems]
+        xs = np.arange(len(copy_systems)) + (d - (len(datasets) - 1) / 2) * width
+        a2.bar(xs, rate, width, label=ds)
+        aal = [sub[s]["aal"] if s in sub else 0 for s in copy_systems]
+        a1.bar(xs, aal, width, label=ds)
+    for ax, label in ((a1, "AAL (all rounds)"), (a2, "copy rounds / all rounds")):
+        ax.set_xticks(np.arange(len(copy_systems)), copy_systems, rotation=60, fontsize=6)
+        ax.set_ylabel(label)
+        ax.grid(axis="y", alpha=0.3)
+    a1.legend()
+    fig.tight_layout()
+    fig.savefig(results / "copy.png")
+
+
+def _update_readme(readme: Path, md: str) -> None:
+    """Replace the README's text between the results markers with ``md`` (nothing if absent)."""
+    if not readme.is_file():
+        return
+    text = readme.read_text()
+    begin, end = "<!-- results:begin -->", "<!-- results:end -->"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        _, tail = rest.split(end, 1)
+        readme.write_text(head + begin + "\n" + md + "\n" + end + tail)
+
+
 def _pair_dims(cfg: dict) -> tuple[int, int]:
     """(drafter hidden size, target vocabulary) from the models' config files (no weights loaded)."""
     from transformers import AutoConfig
@@ -217,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m wisv_ros.cli.evaluate", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     names = ", ".join(REGISTRY)
-    for name in ("decode", "replay"):
+    for name in ("decode", "replay", "report"):
         s = sub.add_parser(name)
         s.add_argument("--dataset", action="append", choices=DATASETS, help="gsm8k and/or humaneval (repeatable; default both)")
         s.add_argument("--out", default="runs/eval", help="traces and round logs, per data set (default %(default)s)")
@@ -234,8 +410,20 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--k", type=int, action="append", help="block sizes (repeatable; default 4, 8, 16)")
     rep.add_argument("--copy", action="append", help="copy policies off, ngram, suffix, probe (repeatable; default all)")
     rep.add_argument("--min-confidence", type=float, default=0.0, help="drafter confidence stop (default %(default)s)")
+    rpt = sub.choices["report"]
+    rpt.add_argument("--results", default="docs/results", help="tables and plots (default %(default)s)")
+    rpt.add_argument("--deployment", action="append", help="deployments of the profile file (default: all)")
+    rpt.add_argument("--profiles", default=None, help="hardware profile file (default config/hardware_profiles.yaml)")
+    rpt.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples per interval (default %(default)s)")
+    rpt.add_argument("--readme", default="README.md", help="README whose results section is rewritten (default %(default)s)")
     args = p.parse_args(argv)
     args.dataset = args.dataset or list(DATASETS)
+    if args.cmd == "report":
+        if not args.deployment:
+            from wisv_ros.eval.latency import load_profiles
+
+            args.deployment = list(load_profiles(args.profiles).deployments)
+        return cmd_report(args)
     if args.probe is None:
         default = Path(__file__).resolve().parents[2] / "config" / "probes" / f"{args.target}_copy.npz"
         args.probe = str(default) if default.is_file() else ""
