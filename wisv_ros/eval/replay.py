@@ -29,7 +29,7 @@ import json
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from wisv_ros.sd.roundlog import RoundRecord
+from wisv_ros.sd.roundlog import RoundRecord, json_rows
 from wisv_ros.switchsd.copying import copy_candidates, suffix_candidates
 
 __all__ = ["COPY_POLICIES", "CopyPolicy", "ReplayResult", "Trace", "read_traces", "replay_greedy"]
@@ -72,21 +72,7 @@ class Trace:
 def read_traces(path: str | Path) -> list[Trace]:
     """Traces of a JSON-lines file ([] if missing); a torn last line (a stopped run) is skipped."""
     path = Path(path)
-    if not path.is_file():
-        return []
-    out = []
-    lines = path.read_text(encoding="utf-8").splitlines()
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            if i == len(lines):
-                break
-            raise ValueError(f"{path}:{i}: not a JSON object") from None
-        out.append(Trace(**row))
-    return out
+    return [Trace(**row) for _, row in json_rows(path)] if path.is_file() else []
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,7 +47,7 @@ from typing import IO, Iterable, Iterator
 
 from wisv_ros.link.channel import WireFormat, downlink_bytes_request, downlink_bytes_verdict, uplink_bytes_dist, uplink_bytes_fh, uplink_bytes_ids, uplink_bytes_sh
 
-__all__ = ["KINDS", "RoundLog", "RoundRecord", "read_round_log", "round_bytes"]
+__all__ = ["KINDS", "RoundLog", "RoundRecord", "json_rows", "read_round_log", "round_bytes"]
 
 KINDS = ("block", "copy", "target")
 
@@ -163,19 +163,25 @@ class RoundLog:
         self.close()
 
 
-def read_round_log(path: str | Path | Iterable[str]) -> Iterator[RoundRecord]:
-    """Records of a round log; ValueError naming the line of a bad one (a torn last line of a
-    stopped run is skipped)."""
+def json_rows(path: str | Path | Iterable[str]) -> Iterator[tuple[int, dict]]:
+    """(line number, object) of a JSON-lines file or lines; ValueError naming the line of a bad one,
+    except a torn last line (a run stopped while writing it), which is skipped."""
     lines = Path(path).read_text(encoding="utf-8").splitlines() if isinstance(path, (str, Path)) else list(path)
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            yield i, json.loads(line)
         except json.JSONDecodeError:
-            if i == len(lines):  # the run stopped while writing its last line
+            if i == len(lines):
                 return
             raise ValueError(f"{path}:{i}: not a JSON object") from None
+
+
+def read_round_log(path: str | Path | Iterable[str]) -> Iterator[RoundRecord]:
+    """Records of a round log; ValueError naming the line of a bad one (a torn last line of a
+    stopped run is skipped)."""
+    for i, row in json_rows(path):
         try:
             yield RoundRecord.from_dict(row)
         except (TypeError, ValueError) as exc:

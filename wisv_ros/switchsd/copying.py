@@ -94,13 +94,16 @@ def copy_candidates(context: Sequence[int], kappa: int = 5, width: int = 4, dept
     if n <= kappa:
         return []
     suffix = list(context[n - kappa:])
+    # An occurrence ending at index end-1 (end < n) is followed by context[end:end + depth].
+    ends = (end for end in range(n - 1, kappa - 1, -1) if list(context[end - kappa:end]) == suffix)
+    return _distinct((list(context[end:end + depth]) for end in ends), width)
+
+
+def _distinct(candidates, width: int) -> list[list[int]]:
+    """The first ``width`` distinct, non-empty candidates, in order."""
     out: list[list[int]] = []
     seen: set[tuple[int, ...]] = set()
-    # An occurrence ending at index end-1 (end < n) is followed by context[end:end + depth].
-    for end in range(n - 1, kappa - 1, -1):
-        if list(context[end - kappa:end]) != suffix:
-            continue
-        cand = list(context[end:end + depth])
+    for cand in candidates:
         key = tuple(cand)
         if cand and key not in seen:
             seen.add(key)
@@ -131,17 +134,7 @@ def suffix_candidates(context: Sequence[int], width: int = 4, depth: int = 16, m
             m += 1
         matches.append((m, e))
     matches.sort(key=lambda t: (-t[0], -t[1]))
-    out: list[list[int]] = []
-    seen: set[tuple[int, ...]] = set()
-    for _m, e in matches:
-        cand = list(context[e + 1:e + 1 + depth])
-        key = tuple(cand)
-        if cand and key not in seen:
-            seen.add(key)
-            out.append(cand)
-            if len(out) == width:
-                break
-    return out
+    return _distinct((list(context[e + 1:e + 1 + depth]) for _m, e in matches), width)
 
 
 @dataclasses.dataclass
