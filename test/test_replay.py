@@ -156,3 +156,42 @@ def test_humaneval_chat_answers_are_scored_by_their_code_block():
     assert program.startswith("from typing import List") and "It compares" not in program
     assert score(problem, answer)
     assert not score(problem, answer.replace("return True", "return False"))
+
+
+def test_report_prices_the_replayed_logs_and_rewrites_the_readme(tmp_path, traces):
+    """evaluate report over replayed round logs: one row per (system, deployment, scenario), the SwitchSD
+    claims table, the plots, and the README's text between the markers replaced (and nothing else)."""
+    import csv as _csv
+
+    from wisv_ros.cli import evaluate
+    from wisv_ros.sd.roundlog import RoundLog
+
+    base = tmp_path / "runs" / "gsm8k"
+    (base / "rounds").mkdir(parents=True)
+    for system, k, copy in [("target_only", None, None), ("greedy_k8", 8, None), ("greedy_k8+ngram", 8, COPY_POLICIES["ngram"]),
+                            ("greedy_k8+suffix", 8, COPY_POLICIES["suffix"]), ("greedy_k8+probe", 8, COPY_POLICIES["probe"])]:
+        with RoundLog(base / "rounds" / f"{system}.jsonl", vocab_size=16, hidden_dim=32) as log:
+            for t in traces:
+                recs = evaluate.target_only_records(t) if k is None else replay_greedy(t, k, copy=copy, max_new_tokens=N).records
+                for r in recs:
+                    log(r)
+    (base / "problems.csv").write_text("id,tokens,correct\np0,60,1\np1,60,0\n")
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- results:begin -->\nold\n<!-- results:end -->\noutro\n")
+    results = tmp_path / "results"
+    assert evaluate.main(["report", "--dataset", "gsm8k", "--out", str(tmp_path / "runs"), "--results", str(results),
+                          "--readme", str(readme), "--bootstrap", "50"]) == 0
+    rows = list(_csv.DictReader(open(results / "summary.csv")))
+    assert len(rows) == 5 * 2 * 4  # systems x deployments x scenarios
+    assert all(float(r["ms_per_token"]) > 0 and float(r["ms_lo"]) <= float(r["ms_per_token"]) <= float(r["ms_hi"]) for r in rows)
+    # Copy rounds spare drafting: the n-gram system has copy rounds, plain greedy none.
+    by = {(r["system"], r["deployment"], r["scenario"]): r for r in rows}
+    assert int(by[("greedy_k8+ngram", "embedded_default", "20mbps_50ms")]["copy_rounds"]) > 0
+    assert int(by[("greedy_k8", "embedded_default", "20mbps_50ms")]["copy_rounds"]) == 0
+    # A longer RTT costs the split system more per token, never less.
+    assert float(by[("greedy_k8", "embedded_default", "20mbps_50ms")]["ms_per_token"]) > float(
+        by[("greedy_k8", "embedded_default", "20mbps_5ms")]["ms_per_token"])
+    text = readme.read_text()
+    assert "old" not in text and text.startswith("intro\n") and text.endswith("outro\n") and "SwitchSD against its claims" in text
+    assert {p.name for p in results.glob("*.png")} == {"latency_by_scenario.png", "aal_by_k.png", "copy.png"}
+    assert "1/2" in (results / "summary.md").read_text()  # accuracy from problems.csv
