@@ -201,10 +201,7 @@ def cmd_replay(args) -> int:
                          "accuracy": round(sum(scored.values()) / len(traces), 3), "bounded_rounds": bounded,
                          "replay_s": round(time.perf_counter() - t0, 1)})
     print(format_table(rows))
-    with open(Path(args.out) / "replay_summary.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    _write_csv(Path(args.out) / "replay_summary.csv", rows)
     return 0
 
 
@@ -243,7 +240,8 @@ def cmd_report(args) -> int:
     _write_csv(results / "summary.csv", rows)
     _write_csv(results / "accuracy.csv", accuracy)
     md = _report_markdown(rows, accuracy, args)
-    replayed = list(csv.DictReader(open(Path(args.out) / "replay_summary.csv"))) if (Path(args.out) / "replay_summary.csv").is_file() else []
+    replay_csv = Path(args.out) / "replay_summary.csv"
+    replayed = list(csv.DictReader(open(replay_csv))) if replay_csv.is_file() else []
     claims = _switchsd_claims(rows, replayed)
     md += "\n" + claims
     (results / "summary.md").write_text(md)
