@@ -418,3 +418,37 @@ def test_rejection_sd_follows_the_target_distribution_on_the_real_pair(llm):
     chi2 = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
     # Critical values of chi-square at p = 0.001 by degrees of freedom (cells - 1).
     assert chi2 < {2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46}[len(top)], (observed, expected)
+
+
+def test_probe_collection_runs_on_llama_cpp_and_stores_its_captured_layer(tmp_path, tlm):
+    """`probe collect --backend llama_cpp`: the layer comes from llama.cpp's eval callback, one row
+    per completion token, and matches the torch capture of the same tokens (cosine >= 0.99)."""
+    from wisv_ros.cli import probe as probe_cli
+    from wisv_ros.switchsd.probe_training import load_probe_data
+
+    out = tmp_path / "probe"
+    rc = probe_cli.main(["collect", "--backend", "llama_cpp", "--target", MODEL, "--out", str(out), "--prompts", "2",
+                         "--max-new-tokens", "24", "--layers", "12", "--kinds", "post_mlp", "--seed", "3"])
+    assert rc == 0
+    data = load_probe_data(out)
+    assert len(data.index) == 2 and data.meta["d_model"] == 896
+    feats = data.features(12, "post_mlp").astype(np.float32)
+    assert feats.shape == (sum(r["n_new"] for r in data.index), 896)
+    assert len(data.labels) == len(feats)
+    row = data.index[0]
+    ids = row["prompt_ids"] + row["generated_ids"]
+    tlm.reset()
+    ref = tlm.feed(ids, n_logits=1).layers[(12, "post_mlp")][row["n_prompt"]:].numpy()
+    tlm.reset()
+    got = feats[:row["n_new"]]
+    cos = (got * ref).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(ref, axis=1))
+    assert cos.min() >= 0.99, cos.min()
+
+
+def test_probe_collection_rejects_a_torch_test_model_on_llama_cpp(tmp_path, capsys):
+    from wisv_ros.cli import probe as probe_cli
+
+    with pytest.raises(SystemExit):
+        probe_cli.main(["collect", "--backend", "llama_cpp", "--target", "tiny-random:0:64", "--out",
+                        str(tmp_path / "p"), "--prompts", "1"])
+    assert "--backend llama_cpp" in capsys.readouterr().err

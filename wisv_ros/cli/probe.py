@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from wisv_ros.sd.engines import BACKENDS, load_lm
 from wisv_ros.sd.lm import LAYER_KINDS, CausalLM
 from wisv_ros.sd.models import DEFAULT_TARGET, REGISTRY, add_dtype_args, load_model
 from wisv_ros.switchsd.probe_training import (
@@ -69,13 +70,25 @@ def _collect(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     if args.layer_step < 1:
         p.error(f"--layer-step must be >= 1 (got {args.layer_step})")
     set_threads(args.threads)
-    lm = CausalLM(*load_model(args.target, dtype=args.target_dtype))
-    if lm.tokenizer is None:
+    if args.backend == "torch":
+        lm = CausalLM(*load_model(args.target, dtype=args.target_dtype))
+    else:  # llama.cpp captures through its eval callback: the model is loaded once, with the capture
+        try:
+            probe_lm = load_lm(args.target, args.backend, threads=max(args.threads, 1), n_ctx=args.n_ctx)
+        except ValueError as exc:
+            p.error(f"--backend {args.backend}: {exc}")
+        n_layers = probe_lm.num_layers
+        probe_lm.close()
+        lm = lambda capture: load_lm(args.target, args.backend, capture=capture,  # noqa: E731
+                                     threads=max(args.threads, 1), n_ctx=args.n_ctx)
+    if isinstance(lm, CausalLM) and lm.tokenizer is None:
         p.error(f"target '{args.target}' has no tokenizer; the repetition prompts are text")
-    layers = args.layers if args.layers is not None else list(range(0, lm.num_layers, args.layer_step))
-    bad = [layer for layer in layers if not 0 <= layer < lm.num_layers]
+    if isinstance(lm, CausalLM):
+        n_layers = lm.num_layers
+    layers = args.layers if args.layers is not None else list(range(0, n_layers, args.layer_step))
+    bad = [layer for layer in layers if not 0 <= layer < n_layers]
     if bad:
-        p.error(f"--layers {bad} outside 0..{lm.num_layers - 1}")
+        p.error(f"--layers {bad} outside 0..{n_layers - 1}")
     prompts = build_repetition_prompts(args.prompts, seed=args.seed, kinds=args.prompt_kinds)
     index = collect_probe_data(lm, prompts, layers, args.kinds, args.max_new_tokens, Path(args.out),
                                min_run=args.min_run, target_name=args.target,
@@ -209,7 +222,12 @@ def main(argv: list[str] | None = None) -> int:
     col.add_argument("--max-new-tokens", type=int, default=320, help="completion length limit (default %(default)s)")
     col.add_argument("--min-run", type=int, default=5, help="label: shortest repeated verbatim run (default %(default)s)")
     col.add_argument("--seed", type=int, default=0, help="prompt selection seed (default %(default)s)")
-    col.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    col.add_argument("--threads", type=int, default=0, help="CPU threads (0 = torch default; llama_cpp: 1)")
+    col.add_argument("--backend", default="torch", choices=[b for b in BACKENDS if b != "auto"],
+                     help="engine of the target: torch (the dequantised weights, what the shipped probes were "
+                          "trained on) or llama_cpp (the GGUF file; the layer through llama.cpp's eval callback), "
+                          "e.g. to check a probe on the engine that runs it (default %(default)s)")
+    col.add_argument("--n-ctx", type=int, default=4096, help="llama_cpp context size, tokens (default %(default)s)")
     tr = sub.add_parser("train", help="train one probe per stored (layer, kind), export the best")
     tr.add_argument("--data", required=True, help="data folder written by collect")
     tr.add_argument("--out", required=True, help="probe output path (.npz; a .json sidecar is written beside it)")
