@@ -176,13 +176,20 @@ def test_report_prices_the_replayed_logs_and_rewrites_the_readme(tmp_path, trace
                 for r in recs:
                     log(r)
     (base / "problems.csv").write_text("id,tokens,correct\np0,60,1\np1,60,0\n")
+    # A live system (rejection SD decoded by `evaluate live`): its own round log and accuracy file.
+    with RoundLog(base / "rounds" / "reject_k8_t1.jsonl", vocab_size=16, hidden_dim=32) as log:
+        for t in traces:
+            for r in replay_greedy(t, 8, max_new_tokens=N).records:
+                log(r)
+    (base / "live_reject_k8_t1.csv").write_text("id,tokens,rounds,correct,wall_s\np0,60,9,0,1.0\np1,60,9,0,1.0\n")
     readme = tmp_path / "README.md"
     readme.write_text("intro\n<!-- results:begin -->\nold\n<!-- results:end -->\noutro\n")
     results = tmp_path / "results"
     assert evaluate.main(["report", "--dataset", "gsm8k", "--out", str(tmp_path / "runs"), "--results", str(results),
                           "--readme", str(readme), "--bootstrap", "50"]) == 0
     rows = list(_csv.DictReader(open(results / "summary.csv")))
-    assert len(rows) == 5 * 2 * 4  # systems x deployments x scenarios
+    assert len(rows) == 6 * 2 * 4  # systems x deployments x scenarios
+    assert [r["system"] for r in rows][-1] == "reject_k8_t1"  # live systems after the replayed ones
     assert all(float(r["ms_per_token"]) > 0 and float(r["ms_lo"]) <= float(r["ms_per_token"]) <= float(r["ms_hi"]) for r in rows)
     # Copy rounds spare drafting: the n-gram system has copy rounds, plain greedy none.
     by = {(r["system"], r["deployment"], r["scenario"]): r for r in rows}
@@ -195,3 +202,49 @@ def test_report_prices_the_replayed_logs_and_rewrites_the_readme(tmp_path, trace
     assert "old" not in text and text.startswith("intro\n") and text.endswith("outro\n") and "SwitchSD against its claims" in text
     assert {p.name for p in results.glob("*.png")} == {"latency_by_scenario.png", "aal_by_k.png", "copy.png"}
     assert "1/2" in (results / "summary.md").read_text()  # accuracy from problems.csv
+    assert "reject_k8_t1 on gsm8k 0/2" in text and "| reject_k8_t1 |" in text  # the live system's own accuracy
+
+
+def test_evaluate_live_decodes_scores_logs_and_resumes(tmp_path):
+    """`evaluate live` on real weights (llama.cpp, the 0.5B model drafting for itself, a few tokens):
+    one CSV row and one round log per problem; a rerun skips them; a problem cut short is redone and
+    its partial rounds dropped."""
+    import csv as _csv
+
+    from wisv_ros.cli import evaluate
+    from wisv_ros.sd.roundlog import read_round_log
+
+    model = "qwen2.5-coder-0.5b-instruct"
+    args = ["live", "--dataset", "gsm8k", "--limit", "2", "--max-new-tokens", "10", "--k", "4", "--target", model,
+            "--drafter", model, "--out", str(tmp_path)]
+    assert evaluate.main(args) == 0
+    csv_path = tmp_path / "gsm8k" / "live_reject_k4_t1.csv"
+    log_path = tmp_path / "gsm8k" / "rounds" / "reject_k4_t1.jsonl"
+    rows = list(_csv.DictReader(open(csv_path)))
+    assert [r["id"] for r in rows] == ["gsm8k-test-0013", "gsm8k-test-0051"]
+    records = list(read_round_log(log_path))
+    for r in rows:
+        mine = [rec for rec in records if rec.request_id == r["id"]]
+        assert len(mine) == int(r["rounds"]) > 0 and sum(rec.committed for rec in mine) == int(r["tokens"])
+        assert all(rec.method == "reject" for rec in mine)
+    # Rerun: nothing new. Then drop the second problem's row (as if stopped mid-problem): redone once.
+    assert evaluate.main(args) == 0
+    assert len(list(_csv.DictReader(open(csv_path)))) == 2 and len(list(read_round_log(log_path))) == len(records)
+    csv_path.write_text("".join(csv_path.read_text().splitlines(keepends=True)[:2]))
+    assert evaluate.main(args) == 0
+    again = list(read_round_log(log_path))
+    assert len(list(_csv.DictReader(open(csv_path)))) == 2
+    assert sorted({rec.request_id for rec in again}) == ["gsm8k-test-0013", "gsm8k-test-0051"]
+    assert sum(rec.request_id == "gsm8k-test-0051" for rec in again) == int(
+        list(_csv.DictReader(open(csv_path)))[1]["rounds"])
+
+
+def test_evaluate_live_rejects_bad_settings(capsys):
+    from wisv_ros.cli import evaluate
+
+    with pytest.raises(SystemExit):
+        evaluate.main(["live", "--temperature", "nan"])
+    assert "--temperature must be a finite number > 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        evaluate.main(["live", "--k", "0"])
+    assert "--k" in capsys.readouterr().err

@@ -29,9 +29,11 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import re
 import sys
 import time
+import zlib
 from pathlib import Path
 
 from tqdm import tqdm
@@ -137,6 +139,77 @@ def cmd_decode(args) -> int:
     return 0
 
 
+def live_system_name(method: str, k: int, temperature: float) -> str:
+    """reject_k8_t1, live_greedy_k8 (not greedy_k8: that name is the replayed system's)."""
+    return f"reject_k{k}_t{temperature:g}" if method == "reject" else f"live_{method}_k{k}"
+
+
+def _keep_requests(path: Path, keep: set[str]) -> None:
+    """Drop the round records of requests not in ``keep`` (a problem cut short by a stop)."""
+    if not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = [ln for ln in lines if ln.strip() and json.loads(ln).get("request_id") in keep] if lines else []
+    if len(kept) != len(lines):
+        path.write_text("".join(kept), encoding="utf-8")
+
+
+def cmd_live(args) -> int:
+    """Decode every problem in process with a method replay cannot reproduce (rejection SD samples),
+    on the chosen engine; one round log per system beside the replayed ones, and the system's own
+    accuracy (its text is not the target's greedy text). Resumable: problems already in
+    ``live_<system>.csv`` are skipped, and a problem cut short by a stop is redone."""
+    from wisv_ros.sd.drafting import Drafter
+    from wisv_ros.sd.engines import load_lm
+    from wisv_ros.sd.rounds import generate
+    from wisv_ros.sd.verification import Verifier
+
+    target = load_lm(args.target, args.backend, threads=args.threads, n_ctx=4096)
+    drafter = load_lm(args.drafter, args.backend, threads=args.threads, n_ctx=4096)
+    if drafter.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+        raise SystemExit(f"error: --method {args.method} needs a drafter with the target's vocabulary; "
+                         f"{args.drafter} and {args.target} differ")
+    system = live_system_name(args.method, args.k, args.temperature)
+    rows = []
+    for ds in args.dataset:
+        base = Path(args.out) / ds
+        csv_path = base / f"live_{system}.csv"
+        log_path = base / "rounds" / f"{system}.jsonl"
+        done = {r["id"]: r for r in csv.DictReader(open(csv_path))} if csv_path.is_file() else {}
+        _keep_requests(log_path, set(done))
+        probs = problems_of(ds)
+        todo = [(pid, prompt) for pid, prompt in prompts_of(ds, args.limit) if pid not in done]
+        new_csv = not csv_path.is_file()
+        base.mkdir(parents=True, exist_ok=True)
+        bar = tqdm(todo, desc=f"{system} {ds}", unit="problem", file=sys.stderr)
+        with RoundLog(log_path, vocab_size=target.vocab_size, hidden_dim=drafter.hidden_size, append=True) as log, \
+                open(csv_path, "a", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=["id", "tokens", "rounds", "correct", "wall_s"])
+            if new_csv:
+                w.writeheader()
+            for i, (pid, prompt) in enumerate(bar):
+                seed = args.seed + zlib.crc32(pid.encode())  # per problem: a resumed run draws the same
+                verifier = Verifier(target, method=args.method, temperature=args.temperature, seed=seed)
+                gen = generate(Drafter(drafter, temperature=args.temperature, seed=seed,
+                                       min_confidence=args.min_confidence), verifier, prompt,
+                               args.max_new_tokens, args.k, chat=True, stop_text=stop_rule(ds), round_log=log,
+                               request_id=pid)
+                row = {"id": pid, "tokens": len(gen.token_ids), "rounds": gen.stats.rounds,
+                       "correct": int(score(probs[pid], gen.text)), "wall_s": round(gen.stats.wall_s, 2)}
+                w.writerow(row)
+                f.flush()
+                done[pid] = row
+        bar.close()
+        n = len(done)
+        correct = sum(int(r["correct"]) for r in done.values())
+        tokens = sum(int(r["tokens"]) for r in done.values())
+        rounds = sum(int(r["rounds"]) for r in done.values())
+        rows.append({"dataset": ds, "system": system, "problems": n, "tokens": tokens, "rounds": rounds,
+                     "aal": round(tokens / max(rounds, 1), 3), "accuracy": round(correct / max(n, 1), 3)})
+    print(format_table(rows))
+    return 0
+
+
 def system_name(k: int, copy: str) -> str:
     return f"greedy_k{k}" + ("" if copy == "off" else f"+{copy}")
 
@@ -221,8 +294,15 @@ def cmd_report(args) -> int:
         if not logs:
             raise SystemExit(f"error: no round logs in {base / 'rounds'}; run: python -m wisv_ros.cli.evaluate replay --dataset {ds}")
         probs = list(csv.DictReader(open(base / "problems.csv")))
-        accuracy.append({"dataset": ds, "problems": len(probs), "correct": sum(int(r["correct"]) for r in probs),
+        accuracy.append({"dataset": ds, "system": "target greedy (every replayed system)", "problems": len(probs),
+                         "correct": sum(int(r["correct"]) for r in probs),
                          "accuracy": round(sum(int(r["correct"]) for r in probs) / len(probs), 3)})
+        for live_csv in sorted(base.glob("live_*.csv")):
+            live = list(csv.DictReader(open(live_csv)))
+            if live:
+                accuracy.append({"dataset": ds, "system": live_csv.stem.removeprefix("live_"), "problems": len(live),
+                                 "correct": sum(int(r["correct"]) for r in live),
+                                 "accuracy": round(sum(int(r["correct"]) for r in live) / len(live), 3)})
         jobs = [(log, dep, sc) for log in logs for dep in args.deployment for sc in REPORT_SCENARIOS]
         for log, dep, sc in tqdm(jobs, desc=f"report {ds}", unit="case", file=sys.stderr):
             deployment = profiles.deployment(dep)
@@ -257,6 +337,8 @@ def _system_order(path: Path) -> tuple:
     name = path.stem
     if name == "target_only":
         return (0, 0, 0)
+    if not name.startswith("greedy_k"):  # live systems (reject_k8_t1, live_greedy_k8) after the replayed ones
+        return (2, 0, name)
     k, _, copy = name.removeprefix("greedy_k").partition("+")
     return (1, int(k), ["", "ngram", "suffix", "probe"].index(copy) if copy in ("", "ngram", "suffix", "probe") else 9)
 
@@ -275,8 +357,9 @@ def _report_markdown(rows: list[dict], accuracy: list[dict], args, systems: tupl
     """The headline table: per data set and deployment, on 20 Mbit/s with 50 ms RTT, each system's
     latency per token against the two alternatives a user would run instead."""
     lines = [f"Generated by `python -m wisv_ros.cli.evaluate report` from `{args.out}` "
-             "(target Qwen2.5-Coder-1.5B-Instruct, drafter Qwen2.5-Coder-0.5B-Instruct, greedy, lossless: every "
-             "system commits the target's greedy text). Link 20 Mbit/s, PER 1 %, RTT 50 ms; ms per token with a 95 % "
+             "(target Qwen2.5-Coder-1.5B-Instruct, drafter Qwen2.5-Coder-0.5B-Instruct; `greedy_*`: replayed greedy SD, "
+             "lossless: every such system commits the target's greedy text; `reject_k<K>_t<T>`: rejection SD decoded "
+             "live at temperature T, `evaluate live`). Link 20 Mbit/s, PER 1 %, RTT 50 ms; ms per token with a 95 % "
              "bootstrap interval over problems. `embedded_default`: compute measured on this machine (engine_bench, "
              "llama.cpp, 1 thread); `orin_robot_l4_edge`: **projected** from published figures "
              "(config/hardware_profiles.yaml names every source).", ""]
@@ -284,13 +367,21 @@ def _report_markdown(rows: list[dict], accuracy: list[dict], args, systems: tupl
               "| target alone on the edge | both models on the edge | speedup vs target alone |",
               "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        if r["scenario"] != "20mbps_50ms" or r["system"] == "target_only" or (systems and r["system"] not in systems):
+        live = not r["system"].startswith("greedy_k") and r["system"] != "target_only"
+        if r["scenario"] != "20mbps_50ms" or r["system"] == "target_only" or (systems and r["system"] not in systems
+                                                                             and not live):
             continue
         lines.append(f"| {r['dataset']} | {r['deployment']} | {r['system']} | {r['aal']} | {r['ms_per_token']} "
                      f"[{r['ms_lo']}, {r['ms_hi']}] | {r['target_alone_ms']} | {r['both_on_edge_ms']} | {r['speedup_vs_target_alone']} |")
-    lines += ["", "Accuracy of the target's greedy answers (the same for every system above): "
-              + "; ".join(f"{a['dataset']} {a['correct']}/{a['problems']} ({100 * a['accuracy']:.1f} %)" for a in accuracy)
+    base = [a for a in accuracy if a.get("system", "").startswith("target greedy")] or accuracy
+    lines += ["", "Accuracy of the target's greedy answers (the same for every replayed greedy system above): "
+              + "; ".join(f"{a['dataset']} {a['correct']}/{a['problems']} ({100 * a['accuracy']:.1f} %)" for a in base)
               + " (GSM8K: exact final number; HumanEval: pass@1 of the answer's code block, sandboxed).", ""]
+    live = [a for a in accuracy if a not in base]
+    if live:
+        lines += ["Decoded live (sampling; each system's own answers): "
+                  + "; ".join(f"{a['system']} on {a['dataset']} {a['correct']}/{a['problems']} "
+                              f"({100 * a['accuracy']:.1f} %)" for a in live), ""]
     return "\n".join(lines)
 
 
@@ -329,6 +420,7 @@ def _report_plots(rows: list[dict], results: Path) -> None:
     systems = [s for s in dict.fromkeys(r["system"] for r in rows) if s != "target_only"]
     shown = [s for s in ("greedy_k4", "greedy_k8", "greedy_k16", "greedy_k8+ngram", "greedy_k8+suffix", "greedy_k8+probe")
              if s in systems] or systems[:8]
+    shown += [s for s in systems if not s.startswith("greedy_k") and s not in shown]  # live systems (reject)
     fig = Figure(figsize=(6.5 * len(deps), 3.6 * len(datasets)), dpi=100)
     axes = np.atleast_2d(fig.subplots(len(datasets), len(deps), squeeze=False))
     for i, ds in enumerate(datasets):
@@ -346,7 +438,11 @@ def _report_plots(rows: list[dict], results: Path) -> None:
                         ys.append(r["target_alone_ms"] if name == "target alone" else r["both_on_edge_ms"])
                         err.append((0, 0))
                     else:
-                        r = next(r for r in sub if r["scenario"] == sc and r["system"] == name)
+                        r = next((r for r in sub if r["scenario"] == sc and r["system"] == name), None)
+                        if r is None:  # a system decoded on one data set only
+                            ys.append(float("nan"))
+                            err.append((0, 0))
+                            continue
                         ys.append(r["ms_per_token"])
                         err.append((r["ms_per_token"] - r["ms_lo"], r["ms_hi"] - r["ms_per_token"]))
                 xs = np.arange(len(scen)) + (n - (len(names) - 1) / 2) * width
@@ -424,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m wisv_ros.cli.evaluate", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     names = ", ".join(REGISTRY)
-    for name in ("decode", "replay", "report"):
+    for name in ("decode", "replay", "report", "live"):
         s = sub.add_parser(name)
         s.add_argument("--dataset", action="append", choices=DATASETS, help="gsm8k and/or humaneval (repeatable; default both)")
         s.add_argument("--out", default="runs/eval", help="traces and round logs, per data set (default %(default)s)")
@@ -441,6 +537,21 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--k", type=int, action="append", help="block sizes (repeatable; default 4, 8, 16)")
     rep.add_argument("--copy", action="append", help="copy policies off, ngram, suffix, probe (repeatable; default all)")
     rep.add_argument("--min-confidence", type=float, default=0.0, help="drafter confidence stop (default %(default)s)")
+    live = sub.choices["live"]
+    live.add_argument("--method", default="reject", choices=("reject", "greedy"),
+                      help="reject: rejection SD (samples; not replayable); greedy: live greedy SD, e.g. to check the "
+                      "replay (default %(default)s)")
+    live.add_argument("--drafter", default=DEFAULT_DRAFTER, help="drafter model, same vocabulary (default %(default)s)")
+    live.add_argument("--k", type=int, default=8, help="block size (default %(default)s)")
+    live.add_argument("--temperature", type=float, default=1.0,
+                      help="sampling temperature of both models under reject (default %(default)s)")
+    live.add_argument("--min-confidence", type=float, default=0.0, help="drafter confidence stop (default %(default)s)")
+    live.add_argument("--backend", default="llama_cpp", choices=("torch", "llama_cpp"),
+                      help="engine of both models (default %(default)s: the fastest on a CPU)")
+    live.add_argument("--threads", type=int, default=1, help="CPU threads per model (default %(default)s)")
+    live.add_argument("--limit", type=int, default=None, help="problems per data set (default: all)")
+    live.add_argument("--max-new-tokens", type=int, default=384, help="cap per problem (default %(default)s)")
+    live.add_argument("--seed", type=int, default=0, help="sampling seed, mixed with each problem's id (default %(default)s)")
     rpt = sub.choices["report"]
     rpt.add_argument("--results", default="docs/results", help="tables and plots (default %(default)s)")
     rpt.add_argument("--deployment", action="append", help="deployments of the profile file (default: all)")
@@ -458,6 +569,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.probe is None:
         default = Path(__file__).resolve().parents[2] / "config" / "probes" / f"{args.target}_copy.npz"
         args.probe = str(default) if default.is_file() else ""
+    if args.cmd == "live":
+        if args.k < 1 or args.max_new_tokens < 1 or args.threads < 1:
+            p.error("--k, --max-new-tokens and --threads must be >= 1")
+        if args.method == "reject" and not (args.temperature > 0 and math.isfinite(args.temperature)):
+            p.error(f"--temperature must be a finite number > 0 for reject (got {args.temperature})")
+        if args.method == "greedy":
+            args.temperature = 0.0
+        if not 0 <= args.min_confidence < 1:
+            p.error(f"--min-confidence must be in [0, 1) (got {args.min_confidence})")
+        return cmd_live(args)
     if args.cmd == "decode":
         if args.batch < 1 or args.max_new_tokens < 1:
             p.error("--batch and --max-new-tokens must be >= 1")
