@@ -365,6 +365,31 @@ def test_verifier_killed_mid_goal(ros, target_lm, tmp_path, mode):
         p.close()
 
 
+def test_verifier_restarted_mid_goal_costs_time_not_the_answer(ros, target_lm, tmp_path):
+    """kill -9 the verifier mid-answer and start a new one (it answers 'edge loading' until its model is
+    in): with on_edge_loss wait the drafter resends the round with the context until the edge is back,
+    and the answer is the target's own greedy text, every token once, nothing drafter-only."""
+    n = 600
+    ns = "/nodes_restart"
+    p = Pair(ros, ns, tmp_path, drafter={"on_edge_loss": "wait", "verdict_timeout_s": 1.0, "edge_retry_s": 0.5,
+                                         "first_verdict_timeout_s": 2.0, "edge_wait_s": 120.0})
+    try:
+        p.wait_verifier()
+        run = p.start_goal(max_new_tokens=n, k=2)
+        assert run.first_feedback(GOAL_TIMEOUT), p.logs()
+        p.procs["verifier"].kill()
+        p.procs["verifier"] = NodeProcess("verifier_node", ns, tmp_path, target_model=TARGET, target_dtype="float32")
+        out = run.outcome(3 * GOAL_TIMEOUT)  # a new process loads its model meanwhile
+        ids = list(out.result.token_ids)
+        assert out.status_name == "succeeded", out.result.error + "\n" + p.logs()
+        assert out.feedback_ids() == ids  # nothing lost or repeated across the restart
+        assert ids == reference(target_lm, n)
+        assert out.result.drafter_only_rounds == 0
+        assert "waiting up to edge_wait_s" in p.procs["drafter"].log.read_text(), p.logs()
+    finally:
+        p.close()
+
+
 class SlowFirstVerifier:
     """A stand-in edge in the test process: it answers a request's first block only after ``delay_s``
     (as a real edge does while it prefills a long prompt on a CPU), later blocks at once; each verdict
@@ -449,6 +474,12 @@ def test_invalid_goal_is_aborted_with_the_reason(pair):
     assert out.status_name == "aborted" and "temperature > 0" in out.result.error
     out = pair.start_goal(max_new_tokens=8, k=1000).outcome(GOAL_TIMEOUT)
     assert out.status_name == "aborted" and "k must be in [1, 256], got 1000" in out.result.error
+    out = pair.start_goal(max_new_tokens=8, tau=float("nan")).outcome(GOAL_TIMEOUT)
+    assert out.status_name == "aborted" and "tau: NaN" in out.result.error
+    out = pair.start_goal(max_new_tokens=8, method="wisv", tau=float("inf")).outcome(GOAL_TIMEOUT)
+    assert out.status_name == "aborted" and "tau must be in [0, 10]" in out.result.error
+    out = pair.start_goal(max_new_tokens=8, temperature=float("nan")).outcome(GOAL_TIMEOUT)
+    assert out.status_name == "aborted" and "temperature: NaN" in out.result.error
 
 
 def test_reject_sampling_equals_the_in_process_core(pair, target_lm):

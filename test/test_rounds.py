@@ -12,7 +12,7 @@ import torch
 from wisv_ros.sd.drafting import Drafter
 from wisv_ros.sd.lm import CausalLM
 from wisv_ros.sd.models import load_model
-from wisv_ros.sd.rounds import (BlockRequest, EdgeLost, EdgeReply, EdgeRound, EdgeSessions, InProcessLink, RobotPolicy,
+from wisv_ros.sd.rounds import (EDGE_BUSY, EDGE_LOADING, BlockRequest, EdgeLost, EdgeReply, EdgeRound, EdgeSessions, InProcessLink, RobotPolicy,
                                 RobotSession, generate_target_only)
 from wisv_ros.sd.verification import Method
 
@@ -45,6 +45,9 @@ class Clock:
         self.t += 0.1
         return self.t
 
+    def sleep(self, seconds: float) -> None:
+        self.t += seconds
+
 
 class ScriptedLink:
     """In process, but each exchange can be lost (the block reaches the edge, its reply does not),
@@ -56,6 +59,8 @@ class ScriptedLink:
         self.lose_reply: set[int] = set()  # exchange numbers whose reply is lost
         self.down: set[int] = set()  # exchange numbers that reach no edge
         self.restart_at: int | None = None  # exchange number at which the edge restarts (loses its sessions)
+        self.loading: set[int] = set()  # exchange numbers answered by a restarted edge still loading its model
+        self.busy: set[int] = set()  # exchange numbers answered "edge busy" (the block was not queued)
         self.present = True
 
     def exchange(self, req: BlockRequest, timeout_s: float):
@@ -67,6 +72,11 @@ class ScriptedLink:
             self.edge = EdgeSessions(self.edge.lm, method=self.edge.method)
         if n in self.down:
             return None
+        if n in self.busy:
+            return EdgeReply(req.request_id, req.round_id, error=f"{EDGE_BUSY}: 64 blocks queued (max_queue 64)")
+        if n in self.loading:
+            self.edge = EdgeSessions(self.edge.lm, method=self.edge.method)  # the new process: no sessions
+            return EdgeReply(req.request_id, req.round_id, error=f"{EDGE_LOADING}: verifier_node is loading its target")
         reply = self.edge.handle(req, fetch_hidden=lambda r, _p: r.hidden)
         return None if n in self.lose_reply else reply
 
@@ -76,8 +86,8 @@ class ScriptedLink:
 
 def session(drafter_lm, link, clock=None, **policy) -> RobotSession:
     p = RobotPolicy(**dict(dict(k=4, max_new_tokens=N, on_edge_loss="error"), **policy))
-    return RobotSession(Drafter(drafter_lm), "req-1", PROMPT, PROMPT, p, link, eos=set(),
-                        log=None, **({"clock": clock} if clock is not None else {}))
+    timing = {"clock": clock, "sleep": clock.sleep} if clock is not None else {"sleep": lambda _s: None}
+    return RobotSession(Drafter(drafter_lm), "req-1", PROMPT, PROMPT, p, link, eos=set(), log=None, **timing)
 
 
 def test_in_process_rounds_equal_target_greedy(target, drafter_lm, reference):
@@ -104,6 +114,55 @@ def test_an_edge_restart_gets_the_context_again(target, drafter_lm, reference):
     assert link.sent[0].context_ids and not link.sent[2].context_ids
     assert not link.sent[3].context_ids and link.sent[4].context_ids == PROMPT + res.token_ids[:link.sent[4].prefix_length - len(PROMPT)]
     assert link.sent[4].round_id == link.sent[3].round_id + 1  # "unknown request": drafted again, with the context
+
+
+@pytest.mark.parametrize("mode", ["error", "drafter_only", "wait"])
+def test_a_loading_edge_is_waited_for_not_lost(target, drafter_lm, reference, mode):
+    """A verifier restarted mid-answer that is still loading its model answers 'edge loading': the
+    robot resends the round with the context until it is ready, in every on_edge_loss mode, and the
+    answer is the target's own (nothing drafter-only)."""
+    clock = Clock()
+    link = ScriptedLink(EdgeSessions(target), clock)
+    link.loading = {3, 4, 5, 6}
+    res = session(drafter_lm, link, clock, on_edge_loss=mode, edge_retry_s=1.0, edge_wait_s=30.0).run()
+    assert res.token_ids == reference and res.drafter_only_rounds == 0
+    assert link.sent[7].context_ids  # the first block the ready edge sees carries the whole context
+    assert clock.t >= 4 * 1.0  # paced by edge_retry_s, not a busy loop
+
+
+def test_a_busy_edge_gets_the_block_again_later(target, drafter_lm, reference):
+    clock = Clock()
+    link = ScriptedLink(EdgeSessions(target), clock)
+    link.busy = {2, 3}
+    res = session(drafter_lm, link, clock, edge_retry_s=0.5).run()  # on_edge_loss error: busy is not a loss
+    assert res.token_ids == reference and res.drafter_only_rounds == 0
+    assert [r.prefix_length for r in link.sent[2:5]] == [link.sent[2].prefix_length] * 3  # the same round, resent
+
+
+def test_a_loading_edge_is_given_up_after_edge_wait_s(target, drafter_lm):
+    clock = Clock()
+    link = ScriptedLink(EdgeSessions(target), clock)
+    link.loading = set(range(2, 1000))
+    with pytest.raises(EdgeLost, match=r"edge loading.*still after edge_wait_s = 5.0 s"):
+        session(drafter_lm, link, clock, edge_retry_s=1.0, edge_wait_s=5.0).run()
+    assert 5 <= len(link.sent) - 2 <= 7
+
+
+def test_wait_mode_rides_out_a_silent_edge(target, drafter_lm, reference):
+    """on_edge_loss wait: an edge that is silent for a while (killed, then back) costs time, not the
+    answer; past edge_wait_s the request fails by name."""
+    clock = Clock()
+    link = ScriptedLink(EdgeSessions(target), clock)
+    link.down = set(range(2, 8))
+    link.restart_at = 2
+    res = session(drafter_lm, link, clock, on_edge_loss="wait", edge_wait_s=60.0, verdict_retries=1,
+                  first_verdict_timeout_s=5.0).run()
+    assert res.token_ids == reference and res.drafter_only_rounds == 0
+    link = ScriptedLink(EdgeSessions(target), clock)
+    link.down = set(range(2, 1000))
+    with pytest.raises(EdgeLost, match="still after edge_wait_s = 12.0 s"):
+        session(drafter_lm, link, clock, on_edge_loss="wait", edge_wait_s=12.0, verdict_retries=1,
+                first_verdict_timeout_s=5.0).run()
 
 
 def test_a_lost_edge_fails_the_request_when_asked_to(target, drafter_lm):
@@ -140,10 +199,40 @@ def test_edge_refuses_bad_blocks_naming_the_field(target):
         "unknown request other: resend context": BlockRequest("other", 0, 4, [1], k=1),
         "hidden: protocol fh needs 1 drafter hiddens": BlockRequest("r", 1, 0, [1], k=1, protocol="fh"),
         "token_ids: empty block": BlockRequest("r", 1, 0, [], k=1),
+        "token_ids: 3 draft tokens, more than the block size k = 2": BlockRequest("r", 1, 0, [1, 2, 3], k=2),
+        "temperature: must be in [0, 10], got nan": BlockRequest("r", 1, 0, [1], k=1, temperature=math.nan),
+        "temperature: must be in [0, 10], got inf": BlockRequest("r", 1, 0, [1], k=1, temperature=math.inf),
+        "draft_time_s: must be finite": BlockRequest("r", 1, 0, [1], k=1, draft_time_s=-1.0),
+        "draft_probs: method reject needs [1, 64], got None": BlockRequest("r", 1, 0, [1], k=1, method="reject",
+                                                                            temperature=1.0),
+        "draft_probs: NaN, infinite or negative": BlockRequest("r", 1, 0, [1], k=1, method="reject", temperature=1.0,
+                                                              draft_probs=np.full((1, 64), -1 / 64, np.float32)),
+        "draft_probs: rows must sum to 1": BlockRequest("r", 1, 0, [1], k=1, method="reject", temperature=1.0,
+                                                       draft_probs=np.zeros((1, 64), np.float32)),
+        "draft_probs: the drafted token has probability 0 at positions [0]": BlockRequest(
+            "r", 1, 0, [1], k=1, method="reject", temperature=1.0, draft_probs=np.eye(64, dtype=np.float32)[[0]]),
+        "hidden: NaN or infinite values": BlockRequest("r", 1, 0, [1], k=1, protocol="fh",
+                                                       hidden=np.full((1, 8), np.nan, np.float32)),
     }
     for text, req in cases.items():
         reply = edge.handle(req)
         assert text in reply.error, (text, reply.error)
+
+
+def test_edge_bounds_context_and_block_size_before_any_model_work(target):
+    edge = EdgeSessions(target, max_context=16, max_block=4)
+    passes = target.forward_passes if hasattr(target, "forward_passes") else None
+    long = BlockRequest("big", 0, 15, [1, 2], k=2, context_ids=[3] * 15)
+    assert "exceed this verifier's max_context 16" in edge.handle(long).error
+    wide = BlockRequest("wide", 0, len(PROMPT), [1] * 5, k=5, context_ids=list(PROMPT))
+    assert "more than this verifier's max_block 4" in edge.handle(wide).error
+    if passes is not None:
+        assert target.forward_passes == passes
+    assert edge.context("big") is None and edge.context("wide") is None
+    ok = BlockRequest("ok", 0, len(PROMPT), [1, 2], k=2, context_ids=list(PROMPT))
+    assert not edge.handle(ok).error
+    with pytest.raises(ValueError, match="max_context"):
+        EdgeSessions(target, max_context=1)
 
 
 def test_a_resent_block_gets_the_same_reply_without_a_second_pass(target):
@@ -182,3 +271,14 @@ def test_two_phase_verification_asks_for_the_mismatch_hiddens(target, drafter_lm
     rnd2 = edge2.begin(req)
     reply2 = edge2.finish(rnd2, None)
     assert reply2.accepted == rnd2.hidden_positions[0]
+
+
+@pytest.mark.parametrize("field,value,text", [
+    ("tau", math.inf, "tau must be in [0, 10]"), ("tau", math.nan, "tau must be in [0, 10]"), ("tau", 11.0, "tau must be"),
+    ("temperature", math.nan, "temperature must be in [0, 10]"), ("temperature", math.inf, "temperature must be"),
+    ("max_new_tokens", 0, "max_new_tokens must be >= 1"), ("k", 0, "k must be in [1, 256]"),
+])
+def test_robot_policy_names_a_bad_field(field, value, text):
+    with pytest.raises(ValueError) as err:
+        RobotPolicy(**{field: value})
+    assert text in str(err.value)

@@ -30,6 +30,7 @@ time (one drafter cache); further goals wait for it.
 from __future__ import annotations
 
 import collections
+import math
 import threading
 import time
 import uuid
@@ -80,8 +81,12 @@ class DrafterNode(ServingNode):
                 "on a verdict timeout, resend the same block (same request and round) this many times before the edge "
                 "counts as lost; the verifier answers a resent block idempotently",
                 lo=0, hi=100)
-        declare(self, "on_edge_loss", p.on_edge_loss, "on a lost edge: 'error' aborts the goal, 'drafter_only' goes on with the drafter alone", choices=EDGE_LOSS)
-        declare(self, "edge_retry_s", p.edge_retry_s, "in drafter-only mode, try the edge again at most this often (s)", lo=0.0, hi=3600.0)
+        declare(self, "on_edge_loss", p.on_edge_loss, "on a lost edge: 'error' aborts the goal, 'drafter_only' goes on with "
+                "the drafter alone (unverified tokens), 'wait' resends until the edge is back (edge_wait_s at most; "
+                "the answer stays the target's)", choices=EDGE_LOSS)
+        declare(self, "edge_retry_s", p.edge_retry_s, "try a lost or loading edge again at most this often (s)", lo=0.0, hi=3600.0)
+        declare(self, "edge_wait_s", p.edge_wait_s, "wait this long for an edge that is loading its model (any on_edge_loss) "
+                "or, with on_edge_loss wait, silent, before giving up (s)", lo=0.0, hi=86400.0)
         declare(self, "seed", 0, "seed of the drafter's sampling", lo=0, hi=2**31 - 1)
         declare(self, "threads", 1, "CPU threads of the drafter's engine", lo=1, hi=256)
         declare(self, "backend", "auto", "drafter engine: auto (llama_cpp for GGUF weights, torch for the rest), torch or llama_cpp", choices=BACKENDS)
@@ -151,6 +156,10 @@ class DrafterNode(ServingNode):
 
     def _policy(self, goal) -> RobotPolicy:
         """Goal fields over parameter defaults, validated (ValueError names the field)."""
+        for name in ("tau", "temperature"):  # negative means the node default; NaN means nothing
+            if math.isnan(getattr(goal, name)):
+                raise ValueError(f"{name}: NaN; give a value (tau 0..10, temperature 0..10) or a negative one for "
+                                 "the node default")
         p = RobotPolicy(
             method=goal.method or self._param("method"), protocol=goal.protocol or self._param("protocol"),
             k=int(goal.k) or int(self._param("k")),
@@ -158,7 +167,7 @@ class DrafterNode(ServingNode):
             max_new_tokens=int(goal.max_new_tokens) or int(self._param("max_new_tokens")),
             temperature=float(goal.temperature) if goal.temperature >= 0 else float(self._param("temperature")),
             **{name: self._param(name) for name in ("verdict_timeout_s", "first_verdict_timeout_s", "verdict_retries",
-                                                    "on_edge_loss", "edge_retry_s")})
+                                                    "on_edge_loss", "edge_retry_s", "edge_wait_s")})
         if p.method == "reject" and self._target_tok is not None:
             raise ValueError("method reject needs one vocabulary; this drafter drafts across tokenizers")
         return p

@@ -46,7 +46,7 @@ from wisv_ros.nodes.transport import HiddenFetch
 from wisv_ros.nodes.common import RELIABLE_QOS, ServingNode, declare, frozen_after_start, msg_bytes, run_node, stamp_age_s, stamp_now
 from wisv_ros.sd.engines import BACKENDS, load_lm, resolve_backend
 from wisv_ros.sd.models import WEIGHT_DTYPES, resolve_dtype
-from wisv_ros.sd.rounds import EdgeReply, EdgeSessions
+from wisv_ros.sd.rounds import EDGE_BUSY, EDGE_LOADING, EdgeReply, EdgeSessions
 from wisv_ros.sd.verification import Method
 from wisv_ros.switchsd.copying import COPY_MODES
 
@@ -68,6 +68,12 @@ class VerifierNode(ServingNode):
         declare(self, "head_path", "", "WISV decision head (.onnx with its .json sidecar); '' = none: wisv behaves as greedy")
         declare(self, "default_channel", "20mbps_50ms", "channel scenario the head assumes until the first channel_state arrives", choices=tuple(SCENARIOS))
         declare(self, "max_requests", 16, "requests whose verifier state is kept (oldest dropped first)", lo=1, hi=4096)
+        declare(self, "max_context", 4096, "longest committed context + block of a request (tokens); longer blocks are "
+                "refused by name before any model work (also the llama_cpp context size, plus a block and the copy "
+                "candidates)", lo=16, hi=1 << 20)
+        declare(self, "max_queue", 64, "blocks waiting for the verification thread at most; a block beyond it is answered "
+                "'edge busy' at once and the drafter resends it later", lo=1, hi=100000)
+        declare(self, "max_block", 256, "most draft tokens one block may carry (drafter_node allows k up to 256)", lo=1, hi=1024)
         declare(self, "seed", 0, "seed of rejection sampling", lo=0, hi=2**31 - 1)
         declare(self, "threads", 1, "CPU threads of the target's engine", lo=1, hi=256)
         declare(self, "backend", "auto", "target engine: auto (llama_cpp for GGUF weights, torch for the rest), torch (target_dtype) or llama_cpp", choices=BACKENDS)
@@ -99,8 +105,9 @@ class VerifierNode(ServingNode):
         self._verdict_pub = self.create_publisher(Verdict, "verdict", RELIABLE_QOS)
         self._request_pub = self.create_publisher(HiddenRequest, "hidden_request", RELIABLE_QOS)
         self._stats_pub = self.create_publisher(RoundStats, "round_stats", RELIABLE_QOS)
-        self._blocks: queue.Queue = queue.Queue()  # (message, perf_counter at reception)
-        self.create_subscription(DraftBlock, "draft_block", lambda m: self._blocks.put((m, time.perf_counter())), RELIABLE_QOS)
+        self._blocks: queue.Queue = queue.Queue()  # (message, perf_counter at reception); max_queue bounds it
+        self._busy = 0  # blocks answered "edge busy"
+        self.create_subscription(DraftBlock, "draft_block", self._queue_block, RELIABLE_QOS)
         self.create_subscription(HiddenReply, "hidden_reply", lambda m: self._hiddens.offer(m), RELIABLE_QOS)
         self.create_subscription(ChannelState, "channel_state", self._on_channel_state, RELIABLE_QOS)
         deadline = float(self._param("channel_deadline_s"))
@@ -141,7 +148,10 @@ class VerifierNode(ServingNode):
 
                 probe = load_probe(self._param("probe_path"))
                 capture = [(probe.layer, probe.kind)]
-            lm = load_lm(spec, backend, dtype=self._param("target_dtype"), capture=capture, threads=int(self._param("threads")))
+            n_ctx = int(self._param("max_context")) + int(self._param("max_block")) \
+                + int(self._param("copy_width")) * int(self._param("copy_depth"))
+            lm = load_lm(spec, backend, dtype=self._param("target_dtype"), capture=capture, threads=int(self._param("threads")),
+                         n_ctx=n_ctx)
             if probe is not None and probe.d_model != lm.hidden_size:
                 raise ValueError(f"probe {self._param('probe_path')} expects hidden size {probe.d_model}, the target has {lm.hidden_size}")
             head_path = self._param("head_path")
@@ -163,7 +173,8 @@ class VerifierNode(ServingNode):
                 self._round_log = RoundLog(self._param("round_log"), vocab_size=lm.vocab_size, append=True)
             self._edge = EdgeSessions(lm, method=Method(self._param("method")), judge=judge, copy=copy,
                                       seed=int(self._param("seed")), max_requests=int(self._param("max_requests")),
-                                      copy_max_rounds=int(self._param("copy_max_rounds")), round_log=self._round_log)
+                                      copy_max_rounds=int(self._param("copy_max_rounds")), round_log=self._round_log,
+                                      max_context=int(self._param("max_context")), max_block=int(self._param("max_block")))
             self.get_logger().info(f"target {spec} ({backend}, {dtype}) loaded and warmed up in {time.perf_counter() - t0:.1f} s"
                                    + (f"; decision head {head_path}" if head_path else "; no decision head"))
             return True
@@ -219,6 +230,25 @@ class VerifierNode(ServingNode):
         self._verify_thread.join(timeout=30.0)
         super().destroy_node()
 
+    def _queue_block(self, msg) -> None:
+        """The draft_block callback: queue the block for the verification thread, or, with
+        ``max_queue`` blocks waiting already, answer at once that the edge is busy (the drafter
+        resends later; nothing is dropped without a word)."""
+        waiting, limit = self._blocks.qsize(), int(self._param("max_queue"))
+        if waiting < limit:
+            self._blocks.put((msg, time.perf_counter()))
+            return
+        reply = EdgeReply(msg.request_id, int(msg.round_id),
+                          error=f"{EDGE_BUSY}: {waiting} blocks queued (max_queue {limit}); resend later")
+        self._busy += 1
+        if self._busy == 1 or self._busy % 100 == 0:
+            self.get_logger().warning(f"request {msg.request_id} round {msg.round_id}: {reply.error} "
+                                      f"({self._busy} blocks answered busy so far)")
+        out = self._Verdict()
+        stamp_now(self, out.header)
+        fill_verdict(out, reply)
+        self._verdict_pub.publish(out)
+
     def _verify_loop(self) -> None:
         """The verification thread: blocks in arrival order; an exception never ends it; None stops it."""
         while True:
@@ -242,7 +272,8 @@ class VerifierNode(ServingNode):
             edge.copy_max_rounds, edge.seed = int(self._param("copy_max_rounds")), int(self._param("seed"))
         if edge is None:
             reply = EdgeReply(msg.request_id, int(msg.round_id),
-                              error=self._load_error or "verifier_node is not active: target model not loaded yet")
+                              error=self._load_error or f"{EDGE_LOADING}: verifier_node is not active yet (loading its "
+                                                        "target model); resend")
         else:
             try:
                 reply = edge.handle(read_block(msg, edge.lm.vocab_size), fetch_hidden=self._hiddens.fetch)

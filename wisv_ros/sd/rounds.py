@@ -56,6 +56,8 @@ __all__ = [
     "EDGE_LOSS",
     "PROTOCOLS",
     "UNKNOWN_REQUEST",
+    "EDGE_LOADING",
+    "EDGE_BUSY",
     "BlockRequest",
     "EdgeLink",
     "EdgeLost",
@@ -74,8 +76,10 @@ __all__ = [
 ]
 
 PROTOCOLS = ("ids", "fh", "sh")  # how a block travels: ids only, ids + all hiddens, ids then hiddens on request
-EDGE_LOSS = ("error", "drafter_only")
+EDGE_LOSS = ("error", "drafter_only", "wait")
 UNKNOWN_REQUEST = "unknown request"  # start of the error of a block whose request the edge does not know
+EDGE_LOADING = "edge loading"  # start of the error of a verifier that is up but has not loaded its target yet
+EDGE_BUSY = "edge busy"  # start of the error of a verifier whose block queue is full (resend later)
 
 
 @dataclasses.dataclass
@@ -171,12 +175,21 @@ class EdgeSessions:
             arguments above); ``generate`` hands in its caller's verifier this way.
         round_log: called with a ``roundlog.RoundRecord`` for every verified block and every copy
             round (e.g. a ``roundlog.RoundLog``); a resent block is not logged twice.
+        max_context: the longest committed context plus block a request may reach (tokens); a block
+            beyond it is refused by name before any model work (one robot must not hold the target
+            for minutes or exhaust its memory).
+        max_block: the most draft tokens one block may carry.
     """
 
     def __init__(self, lm: CausalLM, *, method: Method = Method.GREEDY, judge: Judge | None = None,
                  copy: CopyConfig | None = None, seed: int = 0, max_requests: int = 16, copy_max_rounds: int = 32,
                  verifier_for: Callable[[], Verifier] | None = None,
-                 round_log: Callable[[RoundRecord], None] | None = None):
+                 round_log: Callable[[RoundRecord], None] | None = None,
+                 max_context: int = 8192, max_block: int = 256):
+        if max_context < 2 or max_block < 1:
+            raise ValueError(f"max_context must be >= 2 and max_block >= 1 (got {max_context}, {max_block})")
+        self.max_context = max_context
+        self.max_block = max_block
         self.lm = lm
         self.round_log = round_log
         self.verifier_for = verifier_for
@@ -301,18 +314,30 @@ class EdgeSessions:
             raise BlockError(f"temperature: method reject needs > 0, got {req.temperature}")
         if not math.isfinite(req.tau) or req.tau < 0:
             raise BlockError(f"tau: must be finite and >= 0, got {req.tau}")
+        if not math.isfinite(req.temperature) or not 0 <= req.temperature <= 10:
+            raise BlockError(f"temperature: must be in [0, 10], got {req.temperature}")
+        if not math.isfinite(req.draft_time_s) or req.draft_time_s < 0:
+            raise BlockError(f"draft_time_s: must be finite and >= 0, got {req.draft_time_s}")
         if req.protocol not in PROTOCOLS:
             raise BlockError(f"protocol: '{req.protocol}' is not one of {', '.join(PROTOCOLS)}")
         k = len(req.token_ids)
         if k == 0:
             raise BlockError("token_ids: empty block")
+        if k > req.k:
+            raise BlockError(f"token_ids: {k} draft tokens, more than the block size k = {req.k}")
+        if k > self.max_block:
+            raise BlockError(f"token_ids: {k} draft tokens, more than this verifier's max_block {self.max_block}")
+        if req.prefix_length + k > self.max_context:
+            raise BlockError(f"prefix_length: {req.prefix_length} committed + {k} draft tokens exceed this verifier's "
+                             f"max_context {self.max_context}; start a new request with a shorter prompt")
         vocab = self.lm.vocab_size
         self._check_ids("token_ids", req.token_ids, vocab)
         if req.protocol == "fh" and (req.hidden is None or len(req.hidden) != k):
             raise BlockError(f"hidden: protocol fh needs {k} drafter hiddens")
-        if method == Method.REJECT and (req.draft_probs is None or tuple(req.draft_probs.shape) != (k, vocab)):
-            shape = None if req.draft_probs is None else list(req.draft_probs.shape)
-            raise BlockError(f"draft_probs: method reject needs [{k}, {vocab}], got {shape}")
+        if req.hidden is not None and not np.isfinite(req.hidden).all():
+            raise BlockError("hidden: NaN or infinite values")
+        if method == Method.REJECT:
+            self._check_probs(req.draft_probs, req.token_ids, vocab)
         rid, rnd = req.request_id, req.round_id
         session = self._sessions.get(rid)
         if req.context_ids:
@@ -340,6 +365,24 @@ class EdgeSessions:
                              f"{len(session.verifier.context)} on the verifier")
         self._sessions.move_to_end(rid)
         return session, method
+
+    @staticmethod
+    def _check_probs(probs: np.ndarray | None, token_ids: Sequence[int], vocab: int) -> None:
+        """draft_probs of a reject block: [K, V], finite, >= 0, rows summing to 1, and the drafted
+        token of each row possible (its probability divides in the acceptance ratio)."""
+        k = len(token_ids)
+        if probs is None or tuple(probs.shape) != (k, vocab):
+            shape = None if probs is None else list(probs.shape)
+            raise BlockError(f"draft_probs: method reject needs [{k}, {vocab}], got {shape}")
+        if not np.isfinite(probs).all() or (probs < 0).any():
+            raise BlockError("draft_probs: NaN, infinite or negative values")
+        sums = probs.sum(axis=1, dtype=np.float64)
+        if not np.allclose(sums, 1.0, atol=1e-3):
+            raise BlockError(f"draft_probs: rows must sum to 1, got sums {np.round(sums[:4], 4).tolist()}")
+        drafted = probs[np.arange(k), np.asarray(token_ids)]
+        if (drafted <= 0).any():
+            raise BlockError(f"draft_probs: the drafted token has probability 0 at positions "
+                             f"{np.flatnonzero(drafted <= 0)[:5].tolist()}")
 
     @staticmethod
     def _check_ids(field: str, ids: Sequence[int], vocab: int) -> None:
@@ -396,6 +439,7 @@ class RobotPolicy:
     verdict_retries: int = 2
     on_edge_loss: str = "drafter_only"
     edge_retry_s: float = 2.0
+    edge_wait_s: float = 120.0  # how long to wait for a loading edge (any mode) or a silent one (mode wait)
 
     def __post_init__(self) -> None:
         """ValueError naming the field of a request the robot cannot run."""
@@ -406,10 +450,16 @@ class RobotPolicy:
             raise ValueError(f"protocol '{self.protocol}' is not one of {', '.join(PROTOCOLS + ('adaptive',))}")
         if self.on_edge_loss not in EDGE_LOSS:
             raise ValueError(f"on_edge_loss: '{self.on_edge_loss}' is not one of {', '.join(EDGE_LOSS)}")
+        if not 0 <= self.edge_wait_s <= 86400:
+            raise ValueError(f"edge_wait_s must be in [0, 86400] s, got {self.edge_wait_s}")
         if not 1 <= self.k <= 256:
             raise ValueError(f"k must be in [1, 256], got {self.k}")
-        if not 0 <= self.temperature <= 10:
+        if not 0 <= self.temperature <= 10:  # NaN fails too
             raise ValueError(f"temperature must be in [0, 10], got {self.temperature}")
+        if not 0 <= self.tau <= 10:
+            raise ValueError(f"tau must be in [0, 10] (0 = greedy, > 1 accepts every draft), got {self.tau}")
+        if self.max_new_tokens < 1:  # no upper bound here: the verifier's max_context ends a long answer by name
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.method == Method.REJECT.value:
             if self.temperature <= 0:
                 raise ValueError("method reject samples: give the goal (or the drafter_node parameter) a temperature > 0")
@@ -467,7 +517,7 @@ class RobotSession:
         eos: target ids that end the answer.
         protocol_for: (drafted tokens, mean rejected positions) -> "ids" | "fh" | "sh" for a block.
         log: ``log(level, text)`` with level "info" or "warning" (None: silent).
-        clock: monotonic seconds (tests replace it).
+        clock: monotonic seconds (tests replace it); sleep: waits that many seconds (likewise).
         mean_mismatch: the running mean of rejected draft positions to start from (``protocol_for``).
     """
 
@@ -475,8 +525,9 @@ class RobotSession:
                  policy: RobotPolicy, link: EdgeLink, eos: set[int],
                  protocol_for: Callable[[int, float], str] = lambda _k, _m: "ids",
                  log: Callable[[str, str], None] | None = None, clock: Callable[[], float] = time.monotonic,
-                 mean_mismatch: float = 0.0):
+                 mean_mismatch: float = 0.0, sleep: Callable[[float], None] = time.sleep):
         self.drafter, self.request_id, self.policy, self.link, self.eos = drafter, request_id, policy, link, eos
+        self.sleep = sleep
         self.target_prompt = list(target_prompt)
         self.protocol_for = protocol_for
         self.log = log or (lambda _level, _text: None)
@@ -500,6 +551,7 @@ class RobotSession:
         edge_down = False
         next_try = 0.0
         unknown = 0  # "unknown request" answers in a row
+        waiting_since = None  # clock() when the edge began loading (or, mode wait, went silent)
         round_id = 0  # blocks sent or drafted alone (BlockRequest.round_id)
         done = p.max_new_tokens <= 0
         while not done and not cancelled():
@@ -514,8 +566,25 @@ class RobotSession:
                 if reply is None and cancelled():
                     break
                 round_id += 1
+                loading = reply is not None and reply.error.startswith((EDGE_LOADING, EDGE_BUSY))
+                if err is not None and ((loading and not edge_down) or (p.on_edge_loss == "wait" and reply is None)):
+                    # A verifier that is (re)loading its model or busy, or in mode wait a silent edge,
+                    # is not lost: resend the same round (with the context) until edge_wait_s is over.
+                    now = self.clock()
+                    if waiting_since is None:
+                        waiting_since = now
+                        self.log("warning", f"request {self.request_id}: {err}; waiting up to edge_wait_s = "
+                                            f"{p.edge_wait_s} s for the edge")
+                    if now - waiting_since < p.edge_wait_s:
+                        need_context = True
+                        if reply is not None:  # an answer came at once: pace the resends
+                            self.sleep(min(p.edge_retry_s, max(p.edge_wait_s - (now - waiting_since), 0.0)) or 0.05)
+                        continue
+                    err = f"{err} (still after edge_wait_s = {p.edge_wait_s} s)"
+                    if p.on_edge_loss == "wait":
+                        raise EdgeLost(f"edge lost in round {round_id - 1}: {err}")
                 if err is None:
-                    need_context, edge_down, unknown = False, False, 0
+                    need_context, edge_down, unknown, waiting_since = False, False, 0, None
                     self.mean_mismatch = 0.8 * self.mean_mismatch + 0.2 * (len(block.token_ids) - reply.accepted)
                     res.edge_time_s += reply.edge_time_s
                     res.copy_rounds += reply.copy_rounds
