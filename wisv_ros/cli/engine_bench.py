@@ -193,11 +193,16 @@ def llama_tools_dir(spec: str) -> Path | None:
 
 
 def _weight_bytes(lm, spec: str, engine: str) -> int:
-    """Bytes of weights one decoding step reads: the GGUF file for llama.cpp (the tied output
-    matrix included), the parameters in memory for torch."""
+    """Bytes of weights one decoding step reads: the GGUF file for llama.cpp (its embedding table is
+    the tied output matrix, read whole), the parameters in memory for torch less an untied input
+    embedding table (one row of it is read per token)."""
     if engine == "llama_cpp":
         return Path(_gguf(spec)).stat().st_size
-    return sum(t.numel() * t.element_size() for t in lm.model.parameters())
+    total = sum(t.numel() * t.element_size() for t in lm.model.parameters())
+    emb, out = lm.model.get_input_embeddings(), lm.model.get_output_embeddings()
+    if emb is not None and (out is None or out.weight.data_ptr() != emb.weight.data_ptr()):
+        total -= emb.weight.numel() * emb.weight.element_size()
+    return total
 
 
 def _gguf(spec: str) -> str:
