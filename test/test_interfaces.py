@@ -80,3 +80,33 @@ def test_draft_block_round_trip_with_4kib_hidden():
     assert len(back.hidden.data) == 4096
     decoded = np.frombuffer(bytes(back.hidden.data), dtype="<f4").reshape(back.hidden.shape)
     np.testing.assert_array_equal(decoded, hidden)
+
+
+def test_generate_clients_made_while_the_node_spins_keep_its_executor_alive():
+    """rclpy (these wheels) adds an ActionClient to the node before it has its lock; made while an
+    executor spins in another thread, a client could kill that thread (every later goal then timed
+    out: seen in system_bench's second graph). GenerateClient makes the lock first."""
+    import threading
+    import time
+
+    from conftest import spun_node
+    from wisv_ros.nodes.client import GenerateClient
+
+    import sys
+
+    with spun_node("client_race") as node:
+        spin = next(t for t in threading.enumerate() if t.name == f"spin_{node.get_name()}")
+        clients = []
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)  # switch threads often: the race shows within a few clients
+        try:
+            for i in range(200):
+                clients.append(GenerateClient(node, f"/client_race_{i}/generate"))
+                if not spin.is_alive():
+                    break
+        finally:
+            sys.setswitchinterval(interval)
+        time.sleep(0.2)
+        assert spin.is_alive(), f"the executor's thread died after {len(clients)} clients"
+        for c in clients:
+            c.client.destroy()

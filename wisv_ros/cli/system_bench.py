@@ -424,6 +424,8 @@ def main(argv=None) -> int:
     p.add_argument("--target", default=DEFAULT_TARGET)
     add_dtype_args(p, drafter=False)
     add_backend_args(p)
+    # The nodes' own default (auto: llama.cpp for GGUF weights), so that the bench measures the system users run.
+    p.set_defaults(target_backend="auto", drafter_backend="auto")
     p.add_argument("--head", action="append", default=[],
                    help="WISV decision head for the verifier as LABEL=PATH.onnx (repeatable, e.g. csi=... no_csi=...; "
                         "each head is a separate graph start); none: wisv rejects every mismatch")

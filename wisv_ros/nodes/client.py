@@ -81,7 +81,17 @@ class Outcome:
 class _ActionClient(ActionClient):
     """rclpy's ActionClient forgets a goal's feedback callback when the result arrives, so feedback
     published just before the result but delivered after it (feedback is a topic, the result a
-    service) was dropped. The callback is kept here until ``GoalRun.outcome`` is done with it."""
+    service) was dropped. The callback is kept here until ``GoalRun.outcome`` is done with it.
+
+    Also: some rclpy releases (the kilted wheels here) add the client to the node's waitables before
+    they create its ``_lock``; an executor spinning in another thread then meets a client without a
+    lock and its spin thread dies (AttributeError in ``get_num_entities``), so every later goal times
+    out. The lock is made first here; rclpy's own assignment later replaces it before any use that
+    matters (nothing is pending yet)."""
+
+    def __init__(self, *args, **kwargs):
+        self._lock = threading.Lock()
+        super().__init__(*args, **kwargs)
 
     def _remove_pending_result_request(self, future):
         kept = dict(self._feedback_callbacks)
