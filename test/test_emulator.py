@@ -161,3 +161,50 @@ def test_delivery_queue_orders_by_time_then_insertion():
     assert len(q) == 1
     assert q.pop_due(10.0) == ["c"]
     assert len(q) == 0
+
+
+# --------------------------------------------------------------------------- faults
+
+from wisv_ros.link.emulator import FaultInjector, Faults, parse_outages  # noqa: E402
+
+
+def test_faults_drop_duplicate_and_reorder_at_their_rates_seeded():
+    inj = FaultInjector(Faults(drop_rate=0.1, duplicate_rate=0.05, reorder_rate=0.2, reorder_s=0.5), seed=3)
+    out = [inj.apply("draft_block", float(i), float(i) + 0.01) for i in range(20000)]
+    dropped = sum(not o for o in out) / len(out)
+    dup = sum(len(o) == 2 for o in out) / len(out)
+    late = sum(bool(o) and o[0] > i + 0.4 for i, o in enumerate(out)) / len(out)
+    assert abs(dropped - 0.1) < 0.01 and abs(dup - 0.9 * 0.05) < 0.01 and abs(late - 0.9 * 0.2) < 0.015
+    again = FaultInjector(Faults(drop_rate=0.1, duplicate_rate=0.05, reorder_rate=0.2, reorder_s=0.5), seed=3)
+    assert [again.apply("draft_block", float(i), float(i) + 0.01) for i in range(20000)] == out
+    assert inj.counts["dropped"] == sum(not o for o in out)
+
+
+def test_drop_bursts_take_the_next_messages_of_the_same_topic():
+    inj = FaultInjector(Faults(drop_rate=0.05, drop_burst=4), seed=1)
+    out = [bool(inj.apply("verdict", float(i), float(i))) for i in range(5000)]
+    runs, n = [], 0
+    for ok in out + [True]:
+        if not ok:
+            n += 1
+        elif n:
+            runs.append(n)
+            n = 0
+    assert runs and min(runs) >= 4  # every loss is a burst of at least 4 (two may touch)
+
+
+def test_an_outage_drops_everything_in_its_window_only():
+    inj = FaultInjector(Faults(outages=parse_outages(["10:5"])), origin_s=100.0)
+    assert inj.apply("t", 109.9, 110.0) == [110.0]
+    assert inj.apply("t", 110.0, 110.1) == [] and inj.apply("t", 114.99, 115.0) == []
+    assert inj.apply("t", 115.0, 115.1) == [115.1]
+    assert inj.counts["outage"] == 2
+
+
+@pytest.mark.parametrize("kwargs,field", [({"drop_rate": 1.0}, "drop_rate"), ({"duplicate_rate": -0.1}, "duplicate_rate"),
+                                          ({"drop_burst": 0}, "drop_burst"), ({"outages": ((1.0, 0.0),)}, "duration_s")])
+def test_fault_settings_are_checked_by_name(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        Faults(**kwargs)
+    with pytest.raises(ValueError, match="outage '5'"):
+        parse_outages(["5"])

@@ -376,7 +376,7 @@ def test_pip_launcher_runs_the_system(ros_node, tmp_path):
         while True:  # until both models are loaded: the drafter rejects goals, the verifier errs
             try:
                 outcome = client.generate(" ".join(map(str, PROMPT_IDS)), timeout=120.0, max_new_tokens=n)
-                if "not loaded yet" not in outcome.result.error:
+                if "not loaded yet" not in outcome.result.error and "edge loading" not in outcome.result.error:
                     break
             except (RuntimeError, TimeoutError):  # rejected, or the goal response lost or late
                 pass
@@ -445,5 +445,72 @@ def test_nodes_do_not_outlive_a_killed_launcher(tmp_path):
         while any(_alive(pid) for pid in pids.values()) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not [label for label, pid in pids.items() if _alive(pid)]
+    finally:
+        launch.stop()
+
+
+def _set_parameter(node, full_name: str, name: str, value: str) -> None:
+    from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
+    from rcl_interfaces.srv import SetParameters
+
+    client = node.create_client(SetParameters, f"{full_name}/set_parameters")
+    try:
+        assert client.wait_for_service(timeout_sec=30.0), f"no parameter service of {full_name}"
+        done = threading.Event()
+        req = SetParameters.Request(parameters=[Parameter(name=name, value=ParameterValue(
+            type=ParameterType.PARAMETER_STRING, string_value=value))])
+        future = client.call_async(req)
+        future.add_done_callback(lambda _f: done.set())
+        assert done.wait(30.0), f"set_parameters of {full_name} timed out"
+        assert future.result().results[0].successful, future.result().results[0].reason
+    finally:
+        node.destroy_client(client)
+
+
+def test_answers_survive_loss_duplicates_reordering_and_an_outage(ros_node, tmp_path):
+    """The whole graph over an emulated link that really drops 10 % of the protocol's messages,
+    duplicates 5 %, reorders 10 %, and then goes dark for 4 s: with on_edge_loss wait
+    every answer is the target's own greedy text, every token once (feedback = result)."""
+    from wisv_ros.sd.rounds import generate_target_only
+    from wisv_ros.sd.lm import CausalLM
+    from wisv_ros.sd.models import load_model
+    from wisv_ros.nodes.client import GenerateClient
+
+    n = 120
+    expected = generate_target_only(CausalLM(load_model(TARGET)[0]), PROMPT_IDS, n).token_ids
+    sets = ["verifier.target_dtype:=float32", "drafter.min_confidence:=0.0", "drafter.on_edge_loss:=wait",
+            "drafter.verdict_timeout_s:=0.4", "drafter.first_verdict_timeout_s:=2.0", "drafter.verdict_retries:=1",
+            "drafter.edge_retry_s:=0.2", "emulator.fault_drop_rate:=0.1", "emulator.fault_duplicate_rate:=0.05",
+            "emulator.fault_reorder_rate:=0.1", "emulator.fault_reorder_s:=0.03", "emulator.seed:=7"]
+    args = ["system", f"drafter_model:={DRAFTER}", f"target_model:={TARGET}", "scenario:=500mbps_5ms"]
+    for s in sets:
+        args += ["--set", s]
+    launch = LaunchProcess(args, tmp_path / "launch.log")
+    try:
+        assert launch.wait_for(r"started link_emulator", 30.0), launch.text()
+        client = GenerateClient(ros_node, "/robot/generate")
+        assert client.wait_for_server(60.0), launch.text()
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:  # until the drafter accepts goals (model loaded)
+            try:
+                run = client.start(" ".join(map(str, PROMPT_IDS)), max_new_tokens=n, k=4)
+                break
+            except (RuntimeError, TimeoutError):
+                assert time.monotonic() < deadline, "drafter never accepted a goal\n" + launch.text()
+                time.sleep(1.0)
+        out = run.outcome(180.0)
+        assert out.status_name == "succeeded", out.result.error + "\n" + launch.text()
+        assert list(out.result.token_ids) == expected and out.feedback_ids() == expected
+        assert out.result.drafter_only_rounds == 0
+        assert "resending the block" in launch.text() or "waiting up to edge_wait_s" in launch.text()
+        # A 4 s outage from 0.2 s after it is set; the next answer (K = 2: 60 rounds or more, at least
+        # 5 ms of RTT each) starts at once, so the link goes dark in the middle of it.
+        _set_parameter(ros_node, "/link_emulator", "fault_outages", "0.2:4")
+        run = client.start(" ".join(map(str, PROMPT_IDS)), max_new_tokens=n, k=2)
+        out = run.outcome(180.0)
+        assert out.status_name == "succeeded", out.result.error + "\n" + launch.text()
+        assert list(out.result.token_ids) == expected and out.feedback_ids() == expected
+        assert out.result.latency_s > 3.5  # the outage was ridden out, not skipped
+        client.client.destroy()
     finally:
         launch.stop()

@@ -55,7 +55,7 @@ from typing import Generic, TypeVar
 
 from wisv_ros.link.channel import ChannelState, ChannelTrace, _check_int, _check_nonnegative, _check_positive, _check_real
 
-__all__ = ["Direction", "Delivery", "LinkEmulator", "DeliveryQueue"]
+__all__ = ["Direction", "Delivery", "LinkEmulator", "DeliveryQueue", "Faults", "FaultInjector", "parse_outages"]
 
 T = TypeVar("T")
 
@@ -282,3 +282,94 @@ class DeliveryQueue(Generic[T]):
         while self._heap and self._heap[0][0] <= now:
             due.append(heapq.heappop(self._heap)[2])
         return due
+
+
+@dataclass(frozen=True)
+class Faults:
+    """Message faults beyond the link model (which never loses a message on a reliable topic):
+    what a broken relay, a DDS history overrun or a dead radio does to the protocol's topics.
+
+    drop_rate: share of messages dropped (each independently, seeded).
+    drop_burst: a drop also drops the next ``drop_burst - 1`` messages of that topic (bursts).
+    duplicate_rate: share of messages delivered twice (the copy ``duplicate_gap_s`` later).
+    reorder_rate: share of messages held back ``reorder_s`` more, so that later ones overtake them.
+    outages: (start_s, duration_s) windows, seconds after the emulator started, in which every
+        faulted message is dropped (a radio that is gone).
+    """
+
+    drop_rate: float = 0.0
+    drop_burst: int = 1
+    duplicate_rate: float = 0.0
+    duplicate_gap_s: float = 0.002
+    reorder_rate: float = 0.0
+    reorder_s: float = 0.05
+    outages: tuple[tuple[float, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("drop_rate", "duplicate_rate", "reorder_rate"):
+            value = _check_real(name, getattr(self, name))
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {value}")
+        _check_int("drop_burst", self.drop_burst, 1)
+        _check_nonnegative("duplicate_gap_s", self.duplicate_gap_s)
+        _check_nonnegative("reorder_s", self.reorder_s)
+        for i, window in enumerate(self.outages):
+            if len(window) != 2:
+                raise ValueError(f"outages[{i}] must be (start_s, duration_s), got {window!r}")
+            _check_nonnegative(f"outages[{i}] start_s", window[0])
+            _check_positive(f"outages[{i}] duration_s", window[1])
+
+    @property
+    def active(self) -> bool:
+        return bool(self.drop_rate or self.duplicate_rate or self.reorder_rate or self.outages)
+
+
+def parse_outages(specs) -> tuple[tuple[float, float], ...]:
+    """Outage windows from strings ``"START_S:DURATION_S"`` (ValueError naming the bad one)."""
+    out = []
+    for spec in specs:
+        try:
+            start, duration = (float(x) for x in str(spec).split(":"))
+        except ValueError:
+            raise ValueError(f"outage '{spec}': expected START_S:DURATION_S, e.g. 10:5") from None
+        out.append((start, duration))
+    return tuple(out)
+
+
+class FaultInjector:
+    """Applies :class:`Faults` to deliveries: ``apply(topic, t_s, deliver_at)`` gives the times at
+    which the message arrives (none: dropped; two: duplicated). Seeded and clock-free, like
+    :class:`LinkEmulator`; ``t_s`` is on the caller's clock, ``origin_s`` its time of outage 0."""
+
+    def __init__(self, faults: Faults, *, seed: int = 0, origin_s: float = 0.0) -> None:
+        self.faults = faults
+        self.origin_s = _check_real("origin_s", origin_s)
+        self._rng = random.Random(_check_int("seed", seed, 0) + 0x5EED)
+        self._burst_left: dict[str, int] = {}
+        self.counts = {"dropped": 0, "duplicated": 0, "reordered": 0, "outage": 0}
+
+    def in_outage(self, t_s: float) -> bool:
+        rel = t_s - self.origin_s
+        return any(start <= rel < start + duration for start, duration in self.faults.outages)
+
+    def apply(self, topic: str, t_s: float, deliver_at: float) -> list[float]:
+        f = self.faults
+        if self.in_outage(t_s):
+            self.counts["outage"] += 1
+            return []
+        if self._burst_left.get(topic, 0) > 0:
+            self._burst_left[topic] -= 1
+            self.counts["dropped"] += 1
+            return []
+        if f.drop_rate and self._rng.random() < f.drop_rate:
+            self._burst_left[topic] = f.drop_burst - 1
+            self.counts["dropped"] += 1
+            return []
+        if f.reorder_rate and self._rng.random() < f.reorder_rate:
+            deliver_at += f.reorder_s
+            self.counts["reordered"] += 1
+        times = [deliver_at]
+        if f.duplicate_rate and self._rng.random() < f.duplicate_rate:
+            times.append(deliver_at + f.duplicate_gap_s)
+            self.counts["duplicated"] += 1
+        return times

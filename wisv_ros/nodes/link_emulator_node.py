@@ -35,6 +35,13 @@ Parameters (all read at start, except ``trace_origin_unix_s``):
   best-effort (QoS and emulation: one lost packet drops the message, see
   ``LinkEmulator.send(reliable=False)``); all others are reliable (loss costs retransmission
   time). The QoS on both sides must match: reliable topics need reliable endpoints.
+- Faults (``wisv_ros.link.emulator.Faults``; all off by default), on ``fault_topics`` (string
+  array, the round protocol's ``draft_block``, ``verdict``, ``hidden_request``, ``hidden_reply``):
+  ``fault_drop_rate`` (share dropped outright, reliable or not), ``fault_drop_burst`` (a drop
+  takes the next N-1 messages of the topic too), ``fault_duplicate_rate``, ``fault_reorder_rate``
+  with ``fault_reorder_s`` (held back that much longer, so later messages overtake), and
+  ``fault_outages`` ("START_S:DURATION_S,...", seconds after the node started, or after the
+  moment it is set at run time: everything dropped). The counts are logged when the node stops.
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ from functools import partial
 from rcl_interfaces.msg import SetParametersResult
 from rclpy.node import Node
 
-from wisv_ros.link.emulator import DeliveryQueue, Direction, LinkEmulator
+from wisv_ros.link.emulator import DeliveryQueue, Direction, FaultInjector, Faults, LinkEmulator, parse_outages
 from wisv_ros.link.channel import SCENARIOS, ChannelState, ChannelTrace, scenario
 from wisv_ros.nodes.common import check_choice, declare, reliable_qos, run_node
 from wisv_ros.nodes.link_monitor_node import _received_monotonic, best_effort_qos
@@ -66,6 +73,7 @@ DEFAULT_UPLINK_TOPICS = [
 # The link monitor's pings are best-effort: a ping that loses a packet is lost, which is how
 # the monitor measures PER (see wisv_ros.link.estimator).
 DEFAULT_BEST_EFFORT_TOPICS = ["link_ping", "link_ping_echo"]
+DEFAULT_FAULT_TOPICS = ["draft_block", "verdict", "hidden_request", "hidden_reply"]  # the round protocol's
 DEFAULT_DOWNLINK_TOPICS = [
     "verdict:wisv_ros/msg/Verdict",
     "hidden_request:wisv_ros/msg/HiddenRequest",
@@ -132,6 +140,21 @@ class LinkEmulatorNode(Node):
         p_best_effort = declare(self, "best_effort_topics", DEFAULT_BEST_EFFORT_TOPICS,
                                 "listed topics relayed best-effort: a lost packet drops the message")
 
+        p_faults = Faults(
+            drop_rate=declare(self, "fault_drop_rate", 0.0, "share of fault_topics messages dropped outright, "
+                              "reliable topics included (the link model itself never loses those)", lo=0.0, hi=0.99),
+            drop_burst=declare(self, "fault_drop_burst", 1, "a drop also takes the next N-1 messages of the topic",
+                               lo=1, hi=1000),
+            duplicate_rate=declare(self, "fault_duplicate_rate", 0.0, "share of fault_topics messages delivered twice",
+                                   lo=0.0, hi=0.99),
+            reorder_rate=declare(self, "fault_reorder_rate", 0.0, "share of fault_topics messages held back "
+                                 "fault_reorder_s, so that later ones overtake them", lo=0.0, hi=0.99),
+            reorder_s=declare(self, "fault_reorder_s", 0.05, "extra delay of a reordered message (s)", lo=0.0, hi=60.0),
+            outages=parse_outages(x for x in declare(
+                self, "fault_outages", "", "comma-separated outage windows 'START_S:DURATION_S' (s after the node "
+                "started): every fault_topics message in them is dropped, e.g. '20:5'").split(",") if x.strip()),
+        )
+        p_fault_topics = declare(self, "fault_topics", DEFAULT_FAULT_TOPICS, "topics the fault_* settings apply to")
         check_choice("scenario", p_scenario, tuple(sorted(SCENARIOS)))
         overrides = {"rate_bps": p_rate > 0.0, "per": p_per >= 0.0, "rtt_s": p_rtt >= 0.0}
         if p_trace:
@@ -163,15 +186,22 @@ class LinkEmulatorNode(Node):
         if unknown:
             raise ValueError(f"parameter best_effort_topics: {unknown} not in uplink/downlink_topics")
         best_effort = set(p_best_effort)
+        unknown = sorted(set(p_fault_topics) - set(names))
+        if unknown:
+            raise ValueError(f"parameter fault_topics: {unknown} not in uplink/downlink_topics")
+        self._fault_topic_names = list(p_fault_topics)
+        self._fault_topics = set(p_fault_topics) if p_faults.active else set()
 
         self._t_start = time.monotonic()
         self._emu = LinkEmulator(channel, mtu_bytes=p_mtu, seed=p_seed,
                                  trace_origin_s=self._origin_monotonic(p_origin))
+        self._faults = FaultInjector(p_faults, seed=p_seed, origin_s=self._t_start)
         self._queue: DeliveryQueue = DeliveryQueue()
         self._cv = threading.Condition()
         self._stopping = False
         self.relayed = {name: 0 for name in names}
         self.dropped = {name: 0 for name in best_effort}
+        self.faulted: dict[str, int] = {}
 
         self._subs = []
         for direction, (name, msg_type) in routes:
@@ -200,10 +230,22 @@ class LinkEmulatorNode(Node):
 
     def _on_set_parameters(self, params) -> SetParametersResult:
         for p in params:
-            if p.name != "trace_origin_unix_s":
+            if p.name not in ("trace_origin_unix_s", "fault_outages"):
                 return SetParametersResult(successful=False,
                                            reason=f"{p.name} is read at start only; restart the node")
         for p in params:
+            if p.name == "fault_outages":  # set at run time: the windows start from now
+                try:
+                    outages = parse_outages(x for x in str(p.value).split(",") if x.strip())
+                    faults = replace(self._faults.faults, outages=outages)
+                except ValueError as exc:
+                    return SetParametersResult(successful=False, reason=f"fault_outages: {exc}")
+                with self._cv:
+                    self._faults.faults, self._faults.origin_s = faults, time.monotonic()
+                    if faults.active:
+                        self._fault_topics = set(self._fault_topic_names)
+                self.get_logger().info(f"fault_outages set: {outages} (s from now)")
+                continue
             value = float(p.value)
             if not math.isfinite(value) or value < 0.0:
                 return SetParametersResult(successful=False, reason="trace_origin_unix_s must be >= 0")
@@ -221,7 +263,13 @@ class LinkEmulatorNode(Node):
             if delivery.lost:
                 self.dropped[name] += 1
                 return
-            self._queue.push(delivery.deliver_at, (name, pub, data))
+            times = [delivery.deliver_at]
+            if name in self._fault_topics:
+                times = self._faults.apply(name, now, delivery.deliver_at)
+                if not times:
+                    self.faulted[name] = self.faulted.get(name, 0) + 1
+            for at in times:
+                self._queue.push(at, (name, pub, data))
             self._cv.notify()
 
     def _deliver_loop(self) -> None:
@@ -249,6 +297,8 @@ class LinkEmulatorNode(Node):
             self._cv.notify()
         self._thread.join(timeout=1.0)
         summary = f"relayed per topic: {self.relayed}; dropped: {self.dropped}"
+        if self._fault_topics:
+            summary += f"; faults: {self._faults.counts}, dropped by faults per topic: {self.faulted}"
         if self.context.ok():
             self.get_logger().info(summary)
         else:  # after a signal the context is shut down: rosout is gone, the console is not
