@@ -211,6 +211,8 @@ def test_edge_refuses_bad_blocks_naming_the_field(target):
                                                        draft_probs=np.zeros((1, 64), np.float32)),
         "draft_probs: the drafted token has probability 0 at positions [0]": BlockRequest(
             "r", 1, 0, [1], k=1, method="reject", temperature=1.0, draft_probs=np.eye(64, dtype=np.float32)[[0]]),
+        "request_id: 'a b' is not 1-128 characters": BlockRequest("a b", 0, len(PROMPT), [1], k=1, context_ids=list(PROMPT)),
+        "request_id: 'xxxx": BlockRequest("x" * 129, 0, len(PROMPT), [1], k=1, context_ids=list(PROMPT)),
         "hidden: NaN or infinite values": BlockRequest("r", 1, 0, [1], k=1, protocol="fh",
                                                        hidden=np.full((1, 8), np.nan, np.float32)),
     }

@@ -18,6 +18,7 @@ No rclpy here: this module is part of the ROS-free core.
 from __future__ import annotations
 
 import array
+import math
 from typing import Sequence
 
 import numpy as np
@@ -56,6 +57,9 @@ def _to_bfloat16_bits(a: np.ndarray) -> np.ndarray:
     return rounded
 
 
+MAX_TENSOR_BYTES = 1 << 30  # no tensor of the protocol comes near 1 GiB ([K, V] float32 at K 256, V 152k: 156 MB)
+
+
 def encode_array(a: np.ndarray, dtype: str, field: str = "tensor") -> tuple[array.array, list[int]]:
     """Bytes (as ``array.array('B')``) and shape of ``a`` converted to ``dtype``."""
     if dtype not in _NUMPY:
@@ -76,7 +80,9 @@ def decode_array(data, dtype: str, shape: Sequence[int], field: str = "tensor") 
         raise WireError(f"{field}: dtype '{dtype}' is not one of {', '.join(DTYPES)}")
     shape = [int(n) for n in shape]
     item = _NUMPY[dtype].itemsize
-    want = int(np.prod(shape, dtype=np.int64)) * item if shape else item
+    want = math.prod(shape) * item  # Python ints: a huge shape cannot overflow to a small size
+    if want > MAX_TENSOR_BYTES:
+        raise WireError(f"{field}: shape {shape} of {dtype} would be {want} bytes, more than {MAX_TENSOR_BYTES}")
     if len(data) != want:
         raise WireError(f"{field}: {len(data)} data bytes, but shape {shape} of {dtype} needs {want}")
     if isinstance(data, list):  # a plain list of ints (not what rclpy gives for uint8[], but accepted)

@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import re
 import time
 from typing import Callable, Protocol, Sequence
 
@@ -58,6 +59,7 @@ __all__ = [
     "UNKNOWN_REQUEST",
     "EDGE_LOADING",
     "EDGE_BUSY",
+    "REQUEST_ID",
     "BlockRequest",
     "EdgeLink",
     "EdgeLost",
@@ -80,6 +82,9 @@ EDGE_LOSS = ("error", "drafter_only", "wait")
 UNKNOWN_REQUEST = "unknown request"  # start of the error of a block whose request the edge does not know
 EDGE_LOADING = "edge loading"  # start of the error of a verifier that is up but has not loaded its target yet
 EDGE_BUSY = "edge busy"  # start of the error of a verifier whose block queue is full (resend later)
+#: What a request id may be (DraftBlock.request_id): DDS strings end at a NUL byte, so free text could
+#: make two ids one; the drafter's own ids are 16 hex digits.
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:/-]{1,128}")
 
 
 @dataclasses.dataclass
@@ -304,6 +309,8 @@ class EdgeSessions:
 
     def _admit(self, req: BlockRequest) -> tuple[_Session, Method]:
         """The session of a valid block (created from ``context_ids``) and its method; BlockError."""
+        if not REQUEST_ID.fullmatch(req.request_id):
+            raise BlockError(f"request_id: {req.request_id[:40]!r} is not 1-128 characters of A-Z a-z 0-9 . _ : / -")
         try:
             method = Method.parse(req.method or self.method.value)
         except ValueError as exc:
