@@ -62,3 +62,18 @@ def test_fuzz_cli_against_the_nodes(tmp_path):
     assert block["sent"] == block["answered"] == block["named"] == "180" and block["internal"] == "0"
     assert rows["Generate goal (drafter)"]["named"] == "24"
     assert all("alive True" in r["examples"] for name, r in rows.items() if name.startswith("process"))
+
+
+def test_faults_cli_stall_and_restart(tmp_path):
+    """A stalled verifier (SIGSTOP 1 s mid-answer) and a killed one started again (Launcher.restart)
+    cost time, not the answer."""
+    from wisv_ros.cli import faults
+
+    rc = faults.main(["--faults", "stall,restart", "--tries", "1", "--stall-s", "1", "--tokens", "60",
+                      "--out", str(tmp_path)])
+    rows = {r["fault"]: r for r in csv.DictReader(open(tmp_path / "faults.csv"))}
+    assert rc == 0, (tmp_path / "summary.md").read_text()
+    for row in rows.values():
+        assert row["identical"] == row["stream_ok"] == "1" and row["drafter_only_rounds"] == "0", row
+    assert float(rows["stall"]["median_s"]) >= 1.0
+    assert (tmp_path / "launch_restart.log").read_text().count("started edge/verifier_node") == 2  # killed, started again

@@ -130,7 +130,7 @@ def run(args) -> tuple[list[dict], list[str]]:
             "channel_state": node.create_publisher(ChannelState, "/robot/channel_state", RELIABLE_QOS)}
     types = {"verdict": Verdict, "hidden_request": HiddenRequest, "hidden_reply": HiddenReply,
              "channel_state": ChannelState}
-    executor, _ = spin_in_background(node)
+    executor, spin_thread = spin_in_background(node)
     rows: list[dict] = []
     try:
         launcher.start()
@@ -242,6 +242,7 @@ def run(args) -> tuple[list[dict], list[str]]:
     finally:
         launcher.stop(grace=5.0)
         executor.shutdown()
+        spin_thread.join(10.0)  # a thread still in rclpy at interpreter exit aborts the process
         node.destroy_node()
         rclpy.try_shutdown(context=context)
         log.close()

@@ -99,17 +99,35 @@ class Launcher:
         stream.close()
 
     def start(self) -> None:
+        for node, cmd in self.commands:
+            self._spawn(node.spec.full_name.lstrip("/"), cmd)
+
+    def _spawn(self, label: str, cmd: list[str]) -> subprocess.Popen:
         env = dict(os.environ, PYTHONUNBUFFERED="1", RCUTILS_LOGGING_BUFFERED_STREAM="1",
                    RCUTILS_COLORIZED_OUTPUT="0")
-        for node, cmd in self.commands:
-            label = node.spec.full_name.lstrip("/")
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=env, start_new_session=True, preexec_fn=_die_with_parent)
-            self.procs.append((label, proc))
-            self.say("launch", f"started {label} (pid {proc.pid}): {' '.join(cmd[1:4])} ...")
-            t = threading.Thread(target=self._forward, args=(label, proc.stdout), daemon=True)
-            t.start()
-            self._readers.append(t)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        self.procs = [(lab, p) for lab, p in self.procs if lab != label] + [(label, proc)]
+        self.say("launch", f"started {label} (pid {proc.pid}): {' '.join(cmd[1:4])} ...")
+        t = threading.Thread(target=self._forward, args=(label, proc.stdout), daemon=True)
+        t.start()
+        self._readers.append(t)
+        return proc
+
+    def process(self, label: str) -> subprocess.Popen:
+        """The running process of ``label`` (e.g. ``edge/verifier_node``); KeyError naming the labels."""
+        found = dict(self.procs)
+        if label not in found:
+            raise KeyError(f"no node '{label}' in this graph; it has {', '.join(found)}")
+        return found[label]
+
+    def restart(self, label: str) -> subprocess.Popen:
+        """Kill ``label`` with SIGKILL (a crash, no clean-up) and start it again with the same command."""
+        old = self.process(label)
+        old.kill()
+        old.wait(10)
+        cmd = next(cmd for node, cmd in self.commands if node.spec.full_name.lstrip("/") == label)
+        return self._spawn(label, cmd)
 
     def poll(self, reported: set[int]) -> list[tuple[str, int]]:
         """Children that exited since the last call: (label, exit code)."""

@@ -43,7 +43,8 @@ from wisv_ros.interfaces.wire import WireError
 from wisv_ros.link.channel import SCENARIOS
 from wisv_ros.link.channel import ChannelState as LinkChannel
 from wisv_ros.nodes.transport import HiddenFetch
-from wisv_ros.nodes.common import RELIABLE_QOS, ServingNode, declare, frozen_after_start, msg_bytes, run_node, stamp_age_s, stamp_now
+from wisv_ros.nodes.common import (QOS_DEPTH, RELIABLE_QOS, ServingNode, declare, frozen_after_start, msg_bytes, reliable_qos,
+                                    run_node, stamp_age_s, stamp_now)
 from wisv_ros.sd.engines import BACKENDS, load_lm, resolve_backend
 from wisv_ros.sd.models import WEIGHT_DTYPES, resolve_dtype
 from wisv_ros.sd.rounds import EDGE_BUSY, EDGE_LOADING, EdgeReply, EdgeSessions
@@ -95,19 +96,24 @@ class VerifierNode(ServingNode):
         if self._param("copy") == "probe" and not self._param("probe_path"):
             raise ValueError("parameter probe_path: copy=probe needs a probe file (.npz); set probe_path or use copy:=ngram")
         self.add_on_set_parameters_callback(frozen_after_start(
-            {"target_model", "target_dtype", "threads", "channel_deadline_s", "head_path", "copy", "probe_path", "backend"},
+            {"target_model", "target_dtype", "threads", "channel_deadline_s", "head_path", "copy", "probe_path", "backend",
+             "max_context", "max_block"},
             {"method": METHODS, "default_channel": tuple(SCENARIOS)},
         ))
 
         from wisv_ros.msg import ChannelState, DraftBlock, HiddenReply, HiddenRequest, RoundStats, Verdict
 
         self._Verdict, self._HiddenRequest, self._RoundStats = Verdict, HiddenRequest, RoundStats
-        self._verdict_pub = self.create_publisher(Verdict, "verdict", RELIABLE_QOS)
+        # One block and one verdict in flight per request: the worst burst is one per robot, so the
+        # DDS history of the two holds as many as the node's own queue (max_queue); beyond that the
+        # drafter's timeout and resend, or an "edge busy" answer, make a loss visible.
+        burst_qos = reliable_qos(max(QOS_DEPTH, int(self._param("max_queue"))))
+        self._verdict_pub = self.create_publisher(Verdict, "verdict", burst_qos)
         self._request_pub = self.create_publisher(HiddenRequest, "hidden_request", RELIABLE_QOS)
         self._stats_pub = self.create_publisher(RoundStats, "round_stats", RELIABLE_QOS)
         self._blocks: queue.Queue = queue.Queue()  # (message, perf_counter at reception); max_queue bounds it
         self._busy = 0  # blocks answered "edge busy"
-        self.create_subscription(DraftBlock, "draft_block", self._queue_block, RELIABLE_QOS)
+        self.create_subscription(DraftBlock, "draft_block", self._queue_block, burst_qos)
         self.create_subscription(HiddenReply, "hidden_reply", lambda m: self._hiddens.offer(m), RELIABLE_QOS)
         self.create_subscription(ChannelState, "channel_state", self._on_channel_state, RELIABLE_QOS)
         deadline = float(self._param("channel_deadline_s"))
