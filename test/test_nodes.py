@@ -466,6 +466,37 @@ def test_the_first_block_waits_for_the_prefill(ros, tmp_path, first_timeout):
         edge.close()
 
 
+def test_a_huge_context_is_refused_at_once_and_another_robot_keeps_its_pace(pair, target_lm):
+    """One robot sends blocks with a 100,000-token context (beyond max_context) every 50 ms while
+    another answers: the huge ones are refused by name before any model work, and the other
+    robot's time per round stays under twice its unloaded value (plus 20 ms of scheduling slack)."""
+    n = 60
+    base = pair.start_goal(max_new_tokens=n, k=2).outcome(GOAL_TIMEOUT)
+    assert base.status_name == "succeeded", base.result.error
+    unloaded = base.result.round_trip_s / base.result.rounds
+    stop, sent = threading.Event(), []
+
+    def flood():
+        while not stop.is_set():
+            rid = f"heavy-{len(sent)}"
+            pair.publish_block(rid, 0, [1], context=[1] * 100_000)
+            sent.append(rid)
+            stop.wait(0.05)
+
+    thread = threading.Thread(target=flood, daemon=True)
+    thread.start()
+    try:
+        out = pair.start_goal(max_new_tokens=n, k=2).outcome(GOAL_TIMEOUT)
+    finally:
+        stop.set()
+        thread.join(10.0)
+    assert out.status_name == "succeeded", out.result.error
+    assert list(out.result.token_ids) == reference(target_lm, n)
+    loaded = out.result.round_trip_s / out.result.rounds
+    assert loaded < 2 * unloaded + 0.02, (loaded, unloaded, len(sent))
+    assert len(sent) >= 2 and "exceed this verifier's max_context 4096" in pair.verdict_for(sent[0], 0).error
+
+
 def test_invalid_goal_is_aborted_with_the_reason(pair):
     out = pair.start_goal(max_new_tokens=8, method="bogus").outcome(GOAL_TIMEOUT)
     assert out.status_name == "aborted"
