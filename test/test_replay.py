@@ -190,6 +190,9 @@ def test_report_prices_the_replayed_logs_and_rewrites_the_readme(tmp_path, trace
     rows = list(_csv.DictReader(open(results / "summary.csv")))
     assert len(rows) == 6 * 2 * 4  # systems x deployments x scenarios
     assert [r["system"] for r in rows][-1] == "reject_k8_t1"  # live systems after the replayed ones
+    # Rejection SD is priced with the drafter's distributions on the uplink: the same rounds cost more.
+    by_sys = {(r["system"], r["deployment"], r["scenario"]): float(r["ms_per_token"]) for r in rows}
+    assert by_sys[("reject_k8_t1", "embedded_default", "20mbps_50ms")] > by_sys[("greedy_k8", "embedded_default", "20mbps_50ms")]
     assert all(float(r["ms_per_token"]) > 0 and float(r["ms_lo"]) <= float(r["ms_per_token"]) <= float(r["ms_hi"]) for r in rows)
     # Copy rounds spare drafting: the n-gram system has copy rounds, plain greedy none.
     by = {(r["system"], r["deployment"], r["scenario"]): r for r in rows}

@@ -306,7 +306,9 @@ def cmd_report(args) -> int:
         jobs = [(log, dep, sc) for log in logs for dep in args.deployment for sc in REPORT_SCENARIOS]
         for log, dep, sc in tqdm(jobs, desc=f"report {ds}", unit="case", file=sys.stderr):
             deployment = profiles.deployment(dep)
-            _, agg = latency_report(log, sc, ProfileCompute(deployment), protocol="ids", n_boot=args.bootstrap)
+            # Rejection SD uploads the drafter's distributions with every block ([K, V] float32).
+            protocol = "dist" if log.stem.startswith("reject_") else "ids"
+            _, agg = latency_report(log, sc, ProfileCompute(deployment), protocol=protocol, n_boot=args.bootstrap)
             rows.append({"dataset": ds, "system": log.stem, "deployment": dep, "scenario": sc, "problems": agg["requests"],
                          "tokens": agg["tokens"], "rounds": agg["rounds"] + agg["copy_rounds"],
                          "aal": round(agg["tokens"] / (agg["rounds"] + agg["copy_rounds"]), 3),
