@@ -435,7 +435,7 @@ class EdgeLost(Exception):
 class RobotPolicy:
     """How one request runs on the robot (the drafter_node parameters of the same names)."""
 
-    k: int = 4  # measured best with the default pair on llama.cpp at one thread (docs/engines.md)
+    k: int = 8  # measured best with the default pair and the confidence stop 0.6 (docs/engines.md#defaults-and-why)
     max_new_tokens: int = 128
     method: str = "greedy"
     protocol: str = "adaptive"  # ids | fh | sh | adaptive (see protocol_chooser)
