@@ -83,3 +83,10 @@ def test_missing_llama_tools_folder_is_a_clear_error(tmp_path, capsys):
         eb.main(["--engines", "torch", "--llama-tools", str(tmp_path), "--out", str(tmp_path / "o")])
     assert "tools/build_llama_tools.sh" in capsys.readouterr().err
     assert eb.llama_tools_dir("off") is None
+
+
+def test_reject_rows_sample_and_report_a_rate():
+    target = load_lm("tiny-random:0:64", "torch", dtype="float32")
+    drafter = load_lm("tiny-random:0:64:0.05", "torch", dtype="float32")
+    run = eb.reject_run(target, drafter, [[1, 5, 9, 13, 2, 7]], tokens=24, k=4)
+    assert run["decode_tokens_per_s"] > 0 and 1.0 <= run["aal"] <= 5.0

@@ -21,7 +21,10 @@ Measured in one run, one thing after another (so that machine noise hits all ali
    ``target_rate``) and after it (``sd_decode_rate``, ``target_decode_rate``: tokens after the
    first round over the time from its end, as llama.cpp's tools count), AAL, and the share of
    outputs equal to the target's own greedy output.
-5. ``llama.cpp tool``: llama.cpp's own speculative decoding with the same pair, prompts, K and
+5. with ``--reject``: rejection SD in process (temperature 1; ``reject_decode_rate``); with
+   ``--nodes``: greedy and rejection SD through the node processes (``system_bench --scenarios
+   direct``, prompt included).
+6. ``llama.cpp tool``: llama.cpp's own speculative decoding with the same pair, prompts, K and
    threads, greedy: ``llama-speculative`` (always K) for stop 0 and ``llama-speculative-simple``
    with ``--spec-draft-p-min`` = the stop otherwise, its decoding rate after the prompt.
 
@@ -174,6 +177,40 @@ def sd_run(target, drafter, prompts: list[list[int]], tokens: int, k: int, min_c
             "target_tokens_per_s": ref_tokens / ref_s if ref_s else nan,
             "target_decode_tokens_per_s": ref_dec[0] / ref_dec[1] if ref_dec[1] else nan,
             "aal": sd_tokens / rounds, "identical": identical / len(prompts), "reference": outputs}
+
+
+def reject_run(target, drafter, prompts: list[list[int]], tokens: int, k: int, temperature: float = 1.0) -> dict:
+    """Rejection-sampling SD (both models sampling at ``temperature``; the output follows the target's
+    distribution, not its greedy text): tokens/s after the prefill and AAL."""
+    from wisv_ros.sd.drafting import Drafter
+    from wisv_ros.sd.rounds import generate
+    from wisv_ros.sd.verification import Method, Verifier
+
+    n = sec = rounds = committed = 0
+    for i, ids in enumerate(prompts):
+        clock = _AfterPrefill()
+        out = generate(Drafter(drafter, temperature=temperature, seed=i),
+                       Verifier(target, Method.REJECT, temperature=temperature, seed=i), ids, tokens, k, round_log=clock)
+        got, s_ = clock.tokens_and_seconds()
+        n, sec = n + got, sec + s_
+        rounds, committed = rounds + out.stats.rounds, committed + len(out.token_ids)
+    return {"decode_tokens_per_s": n / sec if sec else float("nan"), "aal": committed / max(rounds, 1)}
+
+
+def nodes_run(args, out: Path) -> list[dict]:
+    """Greedy and rejection SD through the node graph (drafter_node and verifier_node as processes
+    over DDS on loopback, no emulated link): ``system_bench --scenarios direct``; its summary rows."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "wisv_ros.cli.system_bench", "--scenarios", "direct", "--configs", "greedy,reject",
+           "--limit", str(args.prompts), "--max-new-tokens", str(args.tokens), "--k", str(args.nodes_k),
+           "--baselines", "", "--target-backend", "llama_cpp", "--drafter-backend", "llama_cpp", "--out", str(out),
+           "--target", args.target, "--drafter", args.drafter]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if res.returncode != 0:
+        raise RuntimeError(f"system_bench failed (exit {res.returncode}): {' '.join(cmd)}\n{res.stderr[-2000:]}")
+    with open(out / "summary.csv", newline="") as f:
+        return list(csv.DictReader(f))
 
 
 def llama_tools_dir(spec: str) -> Path | None:
@@ -341,6 +378,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=3, help="HumanEval prompts of the SD rows (default %(default)s)")
     p.add_argument("--torch-dtype", default="auto", help="torch weights dtype (default %(default)s)")
     p.add_argument("--out", default="runs/engine_bench", help="folder for rows.csv, summary.md, block_cost.png")
+    p.add_argument("--reject", action="store_true", help="also rejection SD (temperature 1) in process, per K of --sd-k")
+    p.add_argument("--nodes", action="store_true",
+                   help="also greedy and rejection SD through the node graph (system_bench --scenarios direct; needs "
+                   "the ROS 2 environment: source tools/env.sh)")
+    p.add_argument("--nodes-k", type=int, default=8, help="K of the node rows (default %(default)s)")
     p.add_argument("--llama-tools", default="auto",
                    help="folder of llama.cpp's own llama-speculative(-simple) and llama-bench, for the rows that race "
                    "them; 'auto': the ones tools/build_llama_tools.sh built for this environment, if any; 'off': "
@@ -418,6 +460,11 @@ def main(argv: list[str] | None = None) -> int:
                     add(engine, "sd_rate", pair, k, sd["sd_tokens_per_s"], "tokens/s", note + ", prompt included")
                     add(engine, "sd_decode_rate", pair, k, sd["sd_decode_tokens_per_s"], "tokens/s",
                         note + ", after the prompt")
+            if args.reject:
+                for k in sd_ks:
+                    rj = reject_run(target, drafter, prompts, args.tokens, k)
+                    add(engine, "reject_decode_rate", f"{args.drafter}->{args.target}", k, rj["decode_tokens_per_s"],
+                        "tokens/s", f"rejection SD, temperature 1, AAL {rj['aal']:.2f}, after the prompt")
             del target, drafter
             if engine == "llama_cpp" and tools is not None:
                 pair = f"{args.drafter}->{args.target}"
@@ -430,6 +477,11 @@ def main(argv: list[str] | None = None) -> int:
                             f"{tool}, " + (f"draft-p-min {stop}" if stop else "always K")
                             + f", acceptance {run['acceptance']:.2f}, prompt tokens {run['prompt_tokens']}"
                             ", after the prompt")
+        if args.nodes:
+            for r in nodes_run(args, out / "nodes"):
+                add("nodes", f"{r['config']}_rate", f"{args.drafter}->{args.target}", int(r["k"]),
+                    1e3 / float(r["ms_per_token"]), "tokens/s",
+                    f"drafter_node + verifier_node over DDS (llama_cpp), AAL {float(r['aal']):.2f}, prompt included")
     except (MissingModelError, RuntimeError) as exc:
         print(f"[engine_bench] error: {exc}", file=sys.stderr)
         return 1
