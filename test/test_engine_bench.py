@@ -14,7 +14,7 @@ from wisv_ros.sd.engines import load_lm
 SPEC_LOG = """\
 0.07.725.854 I encoded  118 tokens in    3.667 seconds, speed:   32.178 t/s
 0.07.725.868 I decoded   11 tokens in    1.459 seconds, speed:    7.539 t/s
-0.07.725.874 I 
+0.07.725.874 I
 0.07.725.879 I n_draft   = 4
 0.07.725.885 I n_predict = 11
 0.07.725.890 I n_drafted = 8

@@ -63,10 +63,8 @@ def _set_string_parameter(node, full_name: str, name: str, value: str) -> None:
 
 
 def run_kind(kind: str, args, out: Path) -> dict:
-    import rclpy
-
-    from wisv_ros.cli.launch import Launcher, build_commands
-    from wisv_ros.nodes.client import GenerateClient, spin_in_background, wait_until_active
+    from wisv_ros.cli.launch import build_commands, running_graph
+    from wisv_ros.nodes.client import GenerateClient, wait_until_active
 
     arguments = {"drafter_model": args.drafter, "target_model": args.target}
     robot_sets = ["drafter.min_confidence:=0.0", "drafter.on_edge_loss:=wait", "drafter.verdict_timeout_s:=0.5",
@@ -80,25 +78,10 @@ def run_kind(kind: str, args, out: Path) -> dict:
         sets = robot_sets + edge_sets + (LOSS_SETS if kind == "loss" else []) + [f"emulator.seed:={args.seed}"]
         commands = build_commands("system", dict(arguments, scenario="500mbps_5ms"), sets)
     log_path = out / f"launch_{kind}.log"
-    log = open(log_path, "w")
-    launcher = Launcher(commands, out=log)
-    context = rclpy.Context()
-    rclpy.init(context=context)
-    node = rclpy.create_node(f"faults_{os.getpid()}", context=context)
-    client = GenerateClient(node, "/robot/generate")
-    executor, spin_thread = spin_in_background(node)
     row = {"fault": kind, "tries": 0, "identical": 0, "stream_ok": 0, "resends": 0, "drafter_only_rounds": 0,
            "reference_s": 0.0, "median_s": 0.0, "max_s": 0.0}
-    try:
-        launcher.start()
-        deadline = time.monotonic() + args.wait
-
-        def check(what: str) -> None:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{what}: timed out; see {log_path}")
-            time.sleep(0.2)
-
-        wait_until_active(node, ["/robot/drafter_node", "/edge/verifier_node"], check)
+    with running_graph(commands, log_path, "faults", args.wait) as (launcher, node, check):
+        client = GenerateClient(node, "/robot/generate")
 
         def answer():
             return client.start(PROMPT, max_new_tokens=args.tokens, k=args.k)
@@ -110,7 +93,6 @@ def run_kind(kind: str, args, out: Path) -> dict:
         row["reference_s"] = round(ref.result.latency_s, 2)
         times = []
         for _ in range(args.tries):
-            log.flush()
             resends_before = log_path.read_text(errors="replace").count("resending the block")
             run = answer()
             if not run.first_feedback(60.0):
@@ -126,7 +108,6 @@ def run_kind(kind: str, args, out: Path) -> dict:
                 _set_string_parameter(node, "/link_emulator", "fault_outages", f"0:{args.outage_s}")
             res = run.outcome(args.edge_wait_s + 120.0)
             ids = list(res.result.token_ids)
-            log.flush()
             row["tries"] += 1
             row["identical"] += res.status_name == "succeeded" and ids == ref_ids
             row["stream_ok"] += res.feedback_ids() == ids
@@ -137,13 +118,6 @@ def run_kind(kind: str, args, out: Path) -> dict:
                 wait_until_active(node, ["/edge/verifier_node"], check)
         row["median_s"] = round(statistics.median(times), 2)
         row["max_s"] = round(max(times), 2)
-    finally:
-        launcher.stop(grace=5.0)
-        executor.shutdown()
-        spin_thread.join(10.0)  # a thread still in rclpy at interpreter exit aborts the process
-        node.destroy_node()
-        rclpy.try_shutdown(context=context)
-        log.close()
     return row
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import os
 import random
 import sys
 import threading
@@ -93,11 +92,9 @@ class _Verdicts:
 
 
 def run(args) -> tuple[list[dict], list[str]]:
-    import rclpy
-
-    from wisv_ros.cli.launch import Launcher, build_commands
+    from wisv_ros.cli.launch import build_commands, running_graph
     from wisv_ros.msg import ChannelState, DraftBlock, HiddenReply, HiddenRequest, Verdict
-    from wisv_ros.nodes.client import GenerateClient, spin_in_background, wait_until_active
+    from wisv_ros.nodes.client import GenerateClient
     from wisv_ros.nodes.common import RELIABLE_QOS
     from wisv_ros.sd.engines import load_lm
 
@@ -115,34 +112,18 @@ def run(args) -> tuple[list[dict], list[str]]:
             f"drafter.backend:={args.target_backend}", f"verifier.backend:={args.target_backend}"]
     commands = build_commands("robot", arguments, sets[:2] + sets[3:4]) + build_commands(
         "edge", {"target_model": args.target}, [sets[2], sets[4]])
-    log = open(out / "launch.log", "w")
-    launcher = Launcher(commands, out=log)
-    context = rclpy.Context()
-    rclpy.init(context=context)
-    node = rclpy.create_node(f"fuzz_{os.getpid()}", context=context)
-    client = GenerateClient(node, "/robot/generate")
-    verdicts = _Verdicts()
-    node.create_subscription(Verdict, "/robot/verdict", verdicts, RELIABLE_QOS)
-    pubs = {"draft_block": node.create_publisher(DraftBlock, "/robot/draft_block", RELIABLE_QOS),
-            "verdict": node.create_publisher(Verdict, "/robot/verdict", RELIABLE_QOS),
-            "hidden_request": node.create_publisher(HiddenRequest, "/robot/hidden_request", RELIABLE_QOS),
-            "hidden_reply": node.create_publisher(HiddenReply, "/robot/hidden_reply", RELIABLE_QOS),
-            "channel_state": node.create_publisher(ChannelState, "/robot/channel_state", RELIABLE_QOS)}
-    types = {"verdict": Verdict, "hidden_request": HiddenRequest, "hidden_reply": HiddenReply,
-             "channel_state": ChannelState}
-    executor, spin_thread = spin_in_background(node)
     rows: list[dict] = []
-    try:
-        launcher.start()
-        deadline = time.monotonic() + args.wait
-
-        def check(what: str) -> None:
-            ended = launcher.poll(set())
-            if ended or time.monotonic() > deadline:
-                raise RuntimeError(f"{what}: {'node(s) exited ' + str(ended) if ended else 'timed out'}; see {log.name}")
-            time.sleep(0.2)
-
-        wait_until_active(node, ["/robot/drafter_node", "/edge/verifier_node"], check)
+    with running_graph(commands, out / "launch.log", "fuzz", args.wait) as (launcher, node, check):
+        client = GenerateClient(node, "/robot/generate")
+        verdicts = _Verdicts()
+        node.create_subscription(Verdict, "/robot/verdict", verdicts, RELIABLE_QOS)
+        pubs = {"draft_block": node.create_publisher(DraftBlock, "/robot/draft_block", RELIABLE_QOS),
+                "verdict": node.create_publisher(Verdict, "/robot/verdict", RELIABLE_QOS),
+                "hidden_request": node.create_publisher(HiddenRequest, "/robot/hidden_request", RELIABLE_QOS),
+                "hidden_reply": node.create_publisher(HiddenReply, "/robot/hidden_reply", RELIABLE_QOS),
+                "channel_state": node.create_publisher(ChannelState, "/robot/channel_state", RELIABLE_QOS)}
+        types = {"verdict": Verdict, "hidden_request": HiddenRequest, "hidden_reply": HiddenReply,
+                 "channel_state": ChannelState}
         while pubs["draft_block"].get_subscription_count() == 0:
             check("the verifier's draft_block subscription")
         procs = dict(launcher.procs)
@@ -239,13 +220,6 @@ def run(args) -> tuple[list[dict], list[str]]:
                 failures.append(f"{label} (pid {pid}) is gone")
             rows.append({"input": f"process {label}", "sent": "", "answered": "", "named": "", "internal": "",
                          "wrong": "", "examples": f"alive {alive}; RSS {rss0[label] / 1024:.0f} -> {rss1 / 1024:.0f} MiB"})
-    finally:
-        launcher.stop(grace=5.0)
-        executor.shutdown()
-        spin_thread.join(10.0)  # a thread still in rclpy at interpreter exit aborts the process
-        node.destroy_node()
-        rclpy.try_shutdown(context=context)
-        log.close()
     return rows, failures
 
 

@@ -28,6 +28,8 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
+from pathlib import Path
 
 from wisv_ros.graph import description as graph
 
@@ -68,6 +70,45 @@ def build_commands(configuration: str, arguments: dict[str, str] | None = None,
     extra = parse_sets(configuration, list(sets))
     return [(node, graph.command(node, python, extra.get(node.spec.key, [])))
             for node in graph.resolve(configuration, arguments)]
+
+
+@contextmanager
+def running_graph(commands: list[tuple[graph.ResolvedNode, list[str]]], log_path: Path, name: str, wait_s: float):
+    """The node processes of ``commands`` (output to ``log_path``) and, in this process, an rclpy
+    context with a node ``<name>_<pid>`` spun in the background; waits until drafter_node and
+    verifier_node are active. Yields (launcher, node, check): ``check(what)`` raises RuntimeError
+    when a node exited or ``wait_s`` passed (for the caller's own waits). Everything stops on exit."""
+    import rclpy
+
+    from wisv_ros.nodes.client import spin_in_background, wait_until_active
+
+    log = open(log_path, "w")
+    launcher = Launcher(commands, out=log)
+    context = rclpy.Context()
+    rclpy.init(context=context)
+    node = rclpy.create_node(f"{name}_{os.getpid()}", context=context)
+    executor, spin_thread = spin_in_background(node)
+    deadline = time.monotonic() + wait_s
+
+    def check(what: str) -> None:
+        ended = launcher.poll(set())
+        if ended or time.monotonic() > deadline:
+            raise RuntimeError(f"{what}: {'node(s) exited ' + str(ended) if ended else 'timed out'}; see {log_path}")
+        time.sleep(0.2)
+
+    try:
+        launcher.start()
+        labels = [label for label, _ in launcher.procs]
+        names = [f"/{label}" for label in labels if label.endswith(("drafter_node", "verifier_node"))]
+        wait_until_active(node, names, check)
+        yield launcher, node, check
+    finally:
+        launcher.stop(grace=5.0)
+        executor.shutdown()
+        spin_thread.join(10.0)  # a thread still in rclpy at interpreter exit aborts the process
+        node.destroy_node()
+        rclpy.try_shutdown(context=context)
+        log.close()
 
 
 def _die_with_parent() -> None:
