@@ -449,24 +449,6 @@ def test_nodes_do_not_outlive_a_killed_launcher(tmp_path):
         launch.stop()
 
 
-def _set_parameter(node, full_name: str, name: str, value: str) -> None:
-    from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
-    from rcl_interfaces.srv import SetParameters
-
-    client = node.create_client(SetParameters, f"{full_name}/set_parameters")
-    try:
-        assert client.wait_for_service(timeout_sec=30.0), f"no parameter service of {full_name}"
-        done = threading.Event()
-        req = SetParameters.Request(parameters=[Parameter(name=name, value=ParameterValue(
-            type=ParameterType.PARAMETER_STRING, string_value=value))])
-        future = client.call_async(req)
-        future.add_done_callback(lambda _f: done.set())
-        assert done.wait(30.0), f"set_parameters of {full_name} timed out"
-        assert future.result().results[0].successful, future.result().results[0].reason
-    finally:
-        node.destroy_client(client)
-
-
 def test_answers_survive_loss_duplicates_reordering_and_an_outage(ros_node, tmp_path):
     """The whole graph over an emulated link that really drops 10 % of the protocol's messages,
     duplicates 5 %, reorders 10 %, and then goes dark for 4 s: with on_edge_loss wait
@@ -474,7 +456,7 @@ def test_answers_survive_loss_duplicates_reordering_and_an_outage(ros_node, tmp_
     from wisv_ros.sd.rounds import generate_target_only
     from wisv_ros.sd.lm import CausalLM
     from wisv_ros.sd.models import load_model
-    from wisv_ros.nodes.client import GenerateClient
+    from wisv_ros.nodes.client import GenerateClient, set_string_parameter
 
     n = 120
     expected = generate_target_only(CausalLM(load_model(TARGET)[0]), PROMPT_IDS, n).token_ids
@@ -505,7 +487,7 @@ def test_answers_survive_loss_duplicates_reordering_and_an_outage(ros_node, tmp_
         assert "resending the block" in launch.text() or "waiting up to edge_wait_s" in launch.text()
         # A 4 s outage from 0.2 s after it is set; the next answer (K = 2: 60 rounds or more, at least
         # 5 ms of RTT each) starts at once, so the link goes dark in the middle of it.
-        _set_parameter(ros_node, "/link_emulator", "fault_outages", "0.2:4")
+        set_string_parameter(ros_node, "/link_emulator", "fault_outages", "0.2:4")
         run = client.start(" ".join(map(str, PROMPT_IDS)), max_new_tokens=n, k=2)
         out = run.outcome(180.0)
         assert out.status_name == "succeeded", out.result.error + "\n" + launch.text()

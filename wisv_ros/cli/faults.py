@@ -42,29 +42,9 @@ LOSS_SETS = ["emulator.fault_drop_rate:=0.1", "emulator.fault_reorder_rate:=0.1"
              "emulator.fault_duplicate_rate:=0.05"]
 
 
-def _set_string_parameter(node, full_name: str, name: str, value: str) -> None:
-    import threading
-
-    from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
-    from rcl_interfaces.srv import SetParameters
-
-    client = node.create_client(SetParameters, f"{full_name}/set_parameters")
-    try:
-        if not client.wait_for_service(timeout_sec=30.0):
-            raise RuntimeError(f"no parameter service of {full_name}")
-        done = threading.Event()
-        future = client.call_async(SetParameters.Request(parameters=[Parameter(
-            name=name, value=ParameterValue(type=ParameterType.PARAMETER_STRING, string_value=value))]))
-        future.add_done_callback(lambda _f: done.set())
-        if not done.wait(30.0) or not future.result().results[0].successful:
-            raise RuntimeError(f"setting {name} on {full_name} failed")
-    finally:
-        node.destroy_client(client)
-
-
 def run_kind(kind: str, args, out: Path) -> dict:
     from wisv_ros.cli.launch import build_commands, running_graph
-    from wisv_ros.nodes.client import GenerateClient, wait_until_active
+    from wisv_ros.nodes.client import GenerateClient, set_string_parameter, wait_until_active
 
     arguments = {"drafter_model": args.drafter, "target_model": args.target}
     robot_sets = ["drafter.min_confidence:=0.0", "drafter.on_edge_loss:=wait", "drafter.verdict_timeout_s:=0.5",
@@ -105,7 +85,7 @@ def run_kind(kind: str, args, out: Path) -> dict:
                 time.sleep(args.stall_s)
                 os.kill(pid, signal.SIGCONT)
             elif kind == "outage":
-                _set_string_parameter(node, "/link_emulator", "fault_outages", f"0:{args.outage_s}")
+                set_string_parameter(node, "/link_emulator", "fault_outages", f"0:{args.outage_s}")
             res = run.outcome(args.edge_wait_s + 120.0)
             ids = list(res.result.token_ids)
             row["tries"] += 1

@@ -219,3 +219,22 @@ def wait_until_active(node: Node, names: list[str], check: Callable[[str], None]
                 time.sleep(0.5)
         finally:
             node.destroy_client(client)
+
+
+def set_string_parameter(node: Node, full_name: str, name: str, value: str, timeout: float = 30.0) -> None:
+    """Set a string parameter of the running node ``full_name`` (e.g. ``/link_emulator``) through its
+    set_parameters service; RuntimeError when the node has no such service or refuses the value."""
+    from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
+    from rcl_interfaces.srv import SetParameters
+
+    client = node.create_client(SetParameters, f"{full_name}/set_parameters")
+    try:
+        if not client.wait_for_service(timeout_sec=timeout):
+            raise RuntimeError(f"no parameter service of {full_name}")
+        future = client.call_async(SetParameters.Request(parameters=[Parameter(
+            name=name, value=ParameterValue(type=ParameterType.PARAMETER_STRING, string_value=value))]))
+        result = _wait(future, timeout, f"set_parameters of {full_name}").results[0]
+        if not result.successful:
+            raise RuntimeError(f"{full_name} refused {name}={value!r}: {result.reason}")
+    finally:
+        node.destroy_client(client)
