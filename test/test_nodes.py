@@ -371,7 +371,9 @@ def test_verifier_restarted_mid_goal_costs_time_not_the_answer(ros, target_lm, t
     and the answer is the target's own greedy text, every token once, nothing drafter-only."""
     n = 600
     ns = "/nodes_restart"
-    p = Pair(ros, ns, tmp_path, drafter={"on_edge_loss": "wait", "verdict_timeout_s": 1.0, "edge_retry_s": 0.5,
+    # verdict_retries 0: the first missed verdict already counts as a silent edge (a restart that
+    # takes less than the retries would otherwise be ridden out by resends alone).
+    p = Pair(ros, ns, tmp_path, drafter={"on_edge_loss": "wait", "verdict_timeout_s": 1.0, "edge_retry_s": 0.5, "verdict_retries": 0,
                                          "first_verdict_timeout_s": 2.0, "edge_wait_s": 120.0})
     try:
         p.wait_verifier()

@@ -223,7 +223,15 @@ class DrafterNode(ServingNode):
                           min_confidence=float(self._param("min_confidence")))
         request_id = uuid.UUID(bytes=bytes(goal_handle.goal_id.uuid)).hex[:16]  # the goal id, shortened
         self._request_ids.append(request_id)
-        log = lambda level, text: getattr(self.get_logger(), level)(text)  # noqa: E731
+        def log(level: str, text: str) -> None:
+            # One call site per severity: rclpy refuses a call site whose severity changes between calls
+            # ("Logger severity cannot be changed between calls"), which aborted a goal that logged a
+            # warning (edge silent) and then an info (unknown request, resending the context).
+            if level == "warning":
+                self.get_logger().warning(text)
+            else:
+                self.get_logger().info(text)
+
         return RobotSession(drafter, request_id, t_prompt, d_prompt, policy, self._link, self._eos(),
                             protocol_for=protocol_chooser(policy.protocol, policy.method, self._lm.hidden_size, lambda: self._channel),
                             log=log, mean_mismatch=self._mean_mismatch)
