@@ -33,11 +33,11 @@ import sys
 import time
 from pathlib import Path
 
+from wisv_ros.cli.fuzz import PROMPT, TINY_DRAFTER, TINY_TARGET  # the same tiny graph and prompt
+
 __all__ = ["main"]
 
 KINDS = ("restart", "stall", "loss", "outage")
-TINY_TARGET, TINY_DRAFTER = "tiny-random:0:64", "tiny-random:0:64:0.05"
-PROMPT = "5 9 13 2 7 11 3"
 LOSS_SETS = ["emulator.fault_drop_rate:=0.1", "emulator.fault_reorder_rate:=0.1", "emulator.fault_reorder_s:=0.03",
              "emulator.fault_duplicate_rate:=0.05"]
 

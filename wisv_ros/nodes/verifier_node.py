@@ -250,10 +250,15 @@ class VerifierNode(ServingNode):
         if self._busy == 1 or self._busy % 100 == 0:
             self.get_logger().warning(f"request {msg.request_id} round {msg.round_id}: {reply.error} "
                                       f"({self._busy} blocks answered busy so far)")
+        self._publish_verdict(reply)
+
+    def _publish_verdict(self, reply: EdgeReply):
+        """Publish ``reply`` as a stamped Verdict; returns the message."""
         out = self._Verdict()
         stamp_now(self, out.header)
         fill_verdict(out, reply)
         self._verdict_pub.publish(out)
+        return out
 
     def _verify_loop(self) -> None:
         """The verification thread: blocks in arrival order; an exception never ends it; None stops it."""
@@ -291,10 +296,7 @@ class VerifierNode(ServingNode):
             self.get_logger().warning(f"request {msg.request_id} round {msg.round_id}: {reply.error}")
         else:
             reply.edge_time_s = max(0.0, time.perf_counter() - t_recv - sh["wait_s"])
-        out = self._Verdict()
-        stamp_now(self, out.header)
-        fill_verdict(out, reply)
-        self._verdict_pub.publish(out)
+        out = self._publish_verdict(reply)
         if not reply.error and not reply.resent:
             self._publish_stats(msg, reply, out, sh, uplink_s, time.perf_counter() - t_recv)
 
