@@ -25,7 +25,7 @@ setup(
     # The runtime dependencies (rclpy comes from the ROS 2 install, not from pip). tools/setup.sh pins
     # their versions (tools/requirements.txt: torch must be the CPU build there) and installs this
     # package with --no-deps; llama-cpp-python is built by its step `engine`.
-    install_requires=["numpy", "pyyaml", "torch", "transformers", "gguf", "onnxruntime", "rosbags",
+    install_requires=["numpy", "pyyaml", "torch", "transformers", "gguf", "onnx", "onnxruntime", "rosbags",
                       "llama-cpp-python"],
     zip_safe=False,
     license="Apache-2.0",

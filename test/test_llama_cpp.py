@@ -452,3 +452,98 @@ def test_probe_collection_rejects_a_torch_test_model_on_llama_cpp(tmp_path, caps
         probe_cli.main(["collect", "--backend", "llama_cpp", "--target", "tiny-random:0:64", "--out",
                         str(tmp_path / "p"), "--prompts", "1"])
     assert "--backend llama_cpp" in capsys.readouterr().err
+
+
+def _same_or_near_tie(lm, context, got, ref):
+    """``got`` equals ``ref`` (greedy continuations of ``context``), or they part where the
+    model's top two logits are within NEAR_TIE (batch layouts round differently there)."""
+    if got == ref:
+        return True
+    i = next((j for j, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
+    lm.reset()
+    logits = lm.feed(context + ref[:i], n_logits=1).logits[-1]
+    top2 = torch.topk(logits, 2)
+    return float(top2.values[0] - top2.values[1]) < NEAR_TIE
+
+
+def test_continue_branches_equals_each_branch_decoded_alone(llm):
+    """Greedy continuations of several substituted contexts in one batched decode per token (the
+    labeller's engine path) equal each context continued on its own; a branch leaves the batch when
+    its stop says so; the cache holds the shared prefix afterwards."""
+    ids = encode_prompt(llm.tokenizer, PROMPTS["math"])
+    answer, _ = _greedy(llm, ids, 24)
+    prefix = ids + answer
+    n = len(ids)
+    branches = [(n + 3, 11), (n + 10, 1234), (n + 10, 42), (n + 20, answer[20])]
+    stops = []
+
+    def stop(i, cont):
+        stops.append(i)
+        return i == 0 and len(cont) == 5
+
+    got = {}
+    for members, conts in llm.continue_branches(prefix, branches, 12, stop, batch_size=3):
+        assert len(members) <= 3
+        got.update(zip(members, conts))
+    assert sorted(got) == [0, 1, 2, 3] and set(stops) == {0, 1, 2, 3}
+    assert len(got[0]) == 5 and all(len(got[i]) == 12 for i in (1, 2, 3))
+    assert llm.cached == prefix[:n + 20]
+    assert got[3][:3] == answer[21:24]  # the branch that substitutes the answer's own token continues the answer
+    for i, (p, tok) in enumerate(branches):
+        alone = _greedy(llm, prefix[:p] + [tok], len(got[i]))[0]
+        assert _same_or_near_tie(llm, prefix[:p] + [tok], got[i], alone), (i, got[i], alone)
+    with pytest.raises(ValueError, match="n_seq_max"):
+        next(llm.continue_branches(prefix, branches, 12, stop, batch_size=llm.n_seq_max))
+    with pytest.raises(ValueError, match="branch point"):
+        next(llm.continue_branches(prefix, [(len(prefix) + 1, 5)], 12, stop))
+    with pytest.raises(ValueError, match="n_ctx"):
+        next(llm.continue_branches(prefix, branches, llm.n_ctx, stop, batch_size=2))
+
+
+def test_labels_on_llama_cpp_with_and_without_rejoin(llm, tmp_path):
+    """label_mismatches on the llama.cpp engine: every label of a continuation run to its final
+    answer; with rejoin, a continuation that runs back into the answer stops early, is labelled not
+    critical and records where, and every other label is the same as without rejoin."""
+    import json
+    import shutil
+
+    from wisv_ros.eval.datasets import extract_final_number
+    from wisv_ros.wisv.traces import TraceWriter, answer_complete, label_mismatches, load_traces
+
+    ids = encode_prompt(llm.tokenizer, [{"role": "user", "content": PROMPTS["math"].removesuffix(" Explain.")
+                                         + "\nSolve step by step and end with 'The answer is N'."}])
+    llm.reset()
+    gen, todo = [], list(ids)
+    for _ in range(200):  # the model's own greedy answer, to its final number
+        tok = int(llm.feed(todo, n_logits=1).logits[-1].argmax())
+        if tok in llm.eos_ids():
+            break
+        gen.append(tok)
+        todo = [tok]
+        if answer_complete(llm.tokenizer.decode(gen[-48:])):
+            break
+    answer = extract_final_number(llm.tokenizer.decode(gen))
+    assert answer is not None and len(gen) < 200, (len(gen), llm.tokenizer.decode(gen))
+    w = TraceWriter(tmp_path / "a", {"drafter": "d", "target": llm.path.name, "k": 8, "max_new_tokens": 200,
+                                     "target_dtype": "gguf", "d_draft": 4, "d_target": 4, "source": "test"})
+    positions = [5, len(gen) // 3, len(gen) // 2, len(gen) - 12]
+    swaps = [llm.tokenizer.encode(" Also")[0], llm.tokenizer.encode(" 7")[0], llm.tokenizer.encode(" So")[0],
+             llm.tokenizer.encode(" 9")[0]]
+    recs = [{"round_id": j, "position": pos, "block_index": 0, "draft_id": tok, "target_id": gen[pos]}
+            for j, (pos, tok) in enumerate(zip(positions, swaps)) if tok != gen[pos]]
+    w.add_problem("apples", answer, ids, gen, len(recs), recs, [np.zeros(4)] * len(recs), [np.zeros(4)] * len(recs))
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    full = label_mismatches(llm, tmp_path / "a", batch_size=4)
+    quick = label_mismatches(llm, tmp_path / "b", batch_size=4, rejoin=4)
+    assert full["labelled"] == quick["labelled"] == len(recs)
+    a = {x["uid"]: x for x in map(json.loads, (tmp_path / "a" / "labels.jsonl").read_text().splitlines())}
+    b = {x["uid"]: x for x in map(json.loads, (tmp_path / "b" / "labels.jsonl").read_text().splitlines())}
+    rejoined = [u for u in b if "rejoined" in b[u]]
+    print({u: (a[u]["label"], a[u]["new_tokens"], b[u]["new_tokens"], b[u].get("rejoined")) for u in a})
+    assert rejoined and all("rejoined" not in x for x in a.values())
+    for u in b:
+        if u in rejoined:
+            assert b[u]["label"] == 0 and b[u]["new_tokens"] == b[u]["rejoined"] <= a[u]["new_tokens"]
+        else:
+            assert (b[u]["label"], b[u]["answer"], b[u]["new_tokens"]) == (a[u]["label"], a[u]["answer"], a[u]["new_tokens"])
+    assert (load_traces(tmp_path / "b").labels >= 0).all()

@@ -670,9 +670,12 @@ def test_goals_are_rejected_when_the_drafter_cannot_load(ros, tmp_path):
         client.client.destroy()
 
 
-def test_wisv_head_over_sh_equals_the_in_process_core(ros, target_lm, tmp_path):
+@pytest.mark.parametrize("protocol,projected", [("sh", False), ("fh", True), ("sh", True)],
+                         ids=["sh", "fh_projected", "sh_projected"])
+def test_wisv_head_over_sh_equals_the_in_process_core(ros, target_lm, tmp_path, protocol, projected):
     """The node graph with an ONNX head (SH: hiddens fetched at the mismatches) commits exactly what
-    rounds.generate() commits in one process with the same head and the same float16 hiddens."""
+    rounds.generate() commits in one process with the same head and the same float16 hiddens; so does
+    a drafter that sends the head's drafter projection instead (head_path on the drafter, FH or SH)."""
 
     import numpy as np
     import torch
@@ -681,7 +684,7 @@ def test_wisv_head_over_sh_equals_the_in_process_core(ros, target_lm, tmp_path):
     from wisv_ros.sd.verification import Method, Verifier
     from wisv_ros.sd.rounds import generate
     from wisv_ros.wisv.head_training import DecisionHead, export_onnx
-    from wisv_ros.wisv.head import OnnxHead, make_judge
+    from wisv_ros.wisv.head import OnnxHead, load_projection, make_judge
     from wisv_ros.link.channel import SCENARIOS
 
     torch.manual_seed(0)
@@ -700,17 +703,28 @@ def test_wisv_head_over_sh_equals_the_in_process_core(ros, target_lm, tmp_path):
     ref = generate(Drafter(drafter_lm), Verifier(target_lm, Method.WISV, tau=tau, judge=wire_judge), PROMPT_IDS, n, k)
     assert ref.token_ids != reference(target_lm, n)  # the head accepted some mismatches
 
-    p = Pair(ros, "/nodes_head", tmp_path, verifier={"head_path": str(path)})
+    ns = f"/nodes_head_{protocol}{'_projected' if projected else ''}"
+    p = Pair(ros, ns, tmp_path, verifier={"head_path": str(path)}, drafter={"head_path": str(path)} if projected else None)
+    from wisv_ros.msg import DraftBlock, HiddenReply
+
+    uplink = Topic(ros, DraftBlock if protocol == "fh" else HiddenReply, f"{ns}/{'draft_block' if protocol == 'fh' else 'hidden_reply'}")
     try:
         p.wait_verifier()
-        run = p.start_goal(max_new_tokens=n, k=k, method="wisv", tau=tau, protocol="sh")
+        run = p.start_goal(max_new_tokens=n, k=k, method="wisv", tau=tau, protocol=protocol)
         out = run.outcome(GOAL_TIMEOUT)
         assert out.status_name == "succeeded", out.result.error + "\n" + p.logs()
         assert list(out.result.token_ids) == ref.token_ids
         assert out.result.rounds == ref.stats.rounds
-        assert [m for m in p.hidden_requests.msgs if m.request_id == request_id(run)]
+        rid = request_id(run)
+        assert bool([m for m in p.hidden_requests.msgs if m.request_id == rid]) == (protocol == "sh")
         assert "no decision head" not in p.procs["verifier"].log.read_text()
+        assert "head_id:" not in p.procs["verifier"].log.read_text() and out.result.drafter_only_rounds == 0
+        # What carried the drafter rows: 16-wide projections named by the head, or 32-wide hiddens.
+        carried = [m.hidden for m in uplink.msgs if m.request_id == rid]
+        assert carried and {(h.shape[1], h.head_id) for h in carried} == ({(16, load_projection(path).head_id)}
+                                                                          if projected else {(32, "")})
     finally:
+        ros.destroy_subscription(uplink.sub)
         p.close()
 
 

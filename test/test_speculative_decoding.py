@@ -1,13 +1,15 @@
 """Mechanics of the ROS-free core on tiny random models (same vocabulary, no tokenizer)."""
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from wisv_ros.sd.acceptance import greedy_accept, judged_accept, mismatch_positions, rejection_accept
+from wisv_ros.sd.acceptance import (fly_accept, greedy_accept, judged_accept, mismatch_positions, rejection_accept,
+                                   topk_entropy)
 from wisv_ros.sd.drafting import Drafter
 from wisv_ros.sd.verification import Method, Verifier
 from wisv_ros.sd.rounds import generate, generate_target_only
@@ -121,6 +123,54 @@ def test_judged_accept_tau_limits():
     assert calls == [[1, 2]]  # only mismatch positions are judged
     d = judged_accept([3, 5, 6], logits, lambda s: torch.tensor([0.3, 0.9]), tau=0.6)
     assert (d.accepted, d.next_id) == (2, 7)  # first mismatch with p >= tau is cut
+
+
+def test_topk_entropy_is_normalised():
+    sure = torch.full((10,), -20.0)
+    sure[3] = 20.0
+    flat = torch.zeros(10)
+    two = torch.full((10,), -30.0)
+    two[[1, 2]] = 0.0
+    h = topk_entropy(torch.stack([sure, flat, two]), k=8)
+    assert h[0] < 1e-6 and abs(float(h[1]) - 1.0) < 1e-6
+    assert abs(float(h[2]) - math.log(2) / math.log(8)) < 1e-5  # two equal tokens of the top 8
+    with pytest.raises(ValueError, match="k >= 2"):
+        topk_entropy(flat, k=1)
+
+
+def test_fly_accept_needs_the_entropy_gate_and_the_whole_window():
+    k = 8
+    target = [3, 4, 7, 2, 5, 6, 1, 8, 9]  # target argmax per row (K + 1 rows)
+    logits = torch.full((k + 1, 12), -20.0)
+    for row, tok in enumerate(target):
+        logits[row, tok] = 20.0
+    unsure = logits.clone()
+    unsure[1, :8] = 0.0  # row 1: the target is unsure among 8 tokens (draft 5 and its own 4 among them)
+    unsure[1, 4] = 0.01
+    draft = [3, 5, 7, 2, 5, 6, 1, 8]  # one mismatch, at position 1
+    assert fly_accept(draft, logits, entropy_min=0.6, window=3).accepted == 1  # target sure: rejected
+    d = fly_accept(draft, unsure, entropy_min=0.6, window=3)
+    assert (d.accepted, d.next_id) == (8, 9)  # unsure and the next 3 agree: the whole block, bonus
+    assert fly_accept(draft, unsure, entropy_min=1.01, window=3).accepted == 1  # > 1: greedy
+    assert fly_accept(draft, unsure, entropy_min=0.6, window=6).accepted == 8  # positions 2..7 agree
+    assert fly_accept(draft, unsure, entropy_min=0.6, window=7).accepted == 1  # window runs past the block
+    late = [3, 5, 7, 2, 0, 6, 1, 8]  # a second mismatch inside the window of the first
+    assert fly_accept(late, unsure, entropy_min=0.6, window=3).accepted == 1
+    assert fly_accept(late, unsure, entropy_min=0.6, window=2).accepted == 4  # first taken, second cut
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        fly_accept(draft, unsure, entropy_min=0.6, window=0)
+
+
+def test_verifier_method_fly_is_greedy_when_the_gate_is_shut(target):
+    """fly with entropy_min > 1 commits exactly greedy SD's tokens; with the gate open it accepts
+    mismatches, so it needs fewer rounds and its text leaves the target's."""
+    drafter = CausalLM(load_model("tiny-random:0:64:0.01")[0])  # close to the target: agrees after a mismatch
+    prompt = PROMPTS[2]
+    ref = generate(Drafter(drafter), Verifier(target), prompt, 48, 8)
+    shut = generate(Drafter(drafter), Verifier(target, Method.FLY, fly_entropy=1.5, fly_window=1), prompt, 48, 8)
+    assert shut.token_ids == ref.token_ids and shut.stats.rounds == ref.stats.rounds
+    open_ = generate(Drafter(drafter), Verifier(target, Method.FLY, fly_entropy=0.0, fly_window=1), prompt, 48, 8)
+    assert open_.stats.rounds < ref.stats.rounds and open_.token_ids != ref.token_ids
 
 
 def test_rejection_rule_preserves_target_distribution():

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import torch
 import pytest
 
 from wisv_ros.sd import models
@@ -45,6 +46,7 @@ def test_collect_and_label_resume(pair, tmp_path, capsys):
         gen = tr.problems[r["problem_id"]]["generated_ids"]
         # Greedy SD commits the target's token at the mismatch: the record agrees with the answer.
         assert r["position"] < len(gen) and gen[r["position"]] == r["target_id"] != r["draft_id"]
+        assert 0 <= r["p_draft"] < r["p_target"] == r["topk"][0] <= 1 and 0 <= r["agree_after"] <= r["left"]
     # Resume: nothing is redone.
     w2 = collect_traces(drafter, target, problems, out, k=4, max_new_tokens=48)
     assert w2.n_records == len(tr.records)
@@ -200,3 +202,38 @@ def test_train_head_cli_on_synthetic_traces(tmp_path, capsys):
     head = OnnxHead(out)
     p = head.reject_prob(np.zeros((2, d_d), np.float32), np.zeros((2, d_t), np.float32), np.zeros(3, np.float32))
     assert p.shape == (2,) and ((p >= 0) & (p <= 1)).all()
+
+
+def test_target_features_and_fly_points():
+    """The target features of a mismatch, and the FLy-style rule's operating points computed from
+    them equal what fly_accept decides on the same logits."""
+    from wisv_ros.sd.acceptance import fly_accept, topk_entropy
+    from wisv_ros.wisv.traces import Traces, fly_points, target_features
+
+    torch.manual_seed(0)
+    rows = []
+    decisions = {}
+    for n in range(40):
+        logits = torch.randn(9, 32) * (0.5 + (n % 4))  # K = 8; sharper or flatter rows
+        argmax = logits.argmax(-1).tolist()
+        a = n % 5
+        draft = list(argmax[:8])
+        draft[a] = (argmax[a] + 1) % 32  # mismatch at a
+        cut = 3 + (n % 4)
+        if a < cut < 8:
+            draft[cut] = (argmax[cut] + 2) % 32  # and a later one that ends the agreement
+        f = target_features(logits, draft, a)
+        assert abs(sum(f["topk"]) - float(torch.topk(torch.softmax(logits[a], -1), 8).values.sum())) < 1e-4
+        assert f["left"] == 7 - a and f["agree_after"] == ((cut if a < cut < 8 else 8) - a - 1)
+        rows.append(dict(f, problem_id=f"p{n % 7}", uid=str(n)))
+        for w in (1, 2, 4):
+            for e in (0.0, 0.4):
+                decisions[(e, w, n)] = fly_accept(draft, logits, e, w).accepted > a
+                h = float(topk_entropy(logits[a]))
+                assert decisions[(e, w, n)] == (h >= e and f["agree_after"] >= w)
+    labels = np.array([n % 3 == 0 for n in range(40)], dtype=np.int8)
+    tr = Traces(meta={}, records=rows, h_draft=np.zeros((40, 2)), h_target=np.zeros((40, 2)), labels=labels, problems={})
+    for pt in fly_points(tr, entropies=(0.0, 0.4), windows=(1, 2, 4)):
+        acc = np.array([decisions[(pt["fly_entropy"], pt["fly_window"], n)] for n in range(40)])
+        assert abs(pt["accepted"] - acc.mean()) < 1e-9
+        assert abs(pt["critical_accepted"] - acc[labels == 1].mean()) < 1e-9

@@ -382,12 +382,13 @@ def _reverify(args) -> int:
     import torch
 
     from wisv_ros.interfaces.convert import read_block
-    from wisv_ros.interfaces.wire import WireError, read_hidden
+    from wisv_ros.interfaces.wire import WireError, hidden_head_id, read_hidden
     from wisv_ros.link.channel import SCENARIOS
     from wisv_ros.link.channel import ChannelState as LinkChannel
     from wisv_ros.sd.engines import load_lm
     from wisv_ros.sd.rounds import EdgeSessions
     from wisv_ros.sd.verification import Method
+    from wisv_ros.wisv.head import ProjectedHidden
 
     if args.default_channel not in SCENARIOS:
         raise BagError(f"--default-channel {args.default_channel}: not one of {', '.join(SCENARIOS)}")
@@ -441,9 +442,10 @@ def _reverify(args) -> int:
             if reply is None:
                 return None
             h, got = read_hidden(reply.hidden, "hidden_reply.hidden", positions_below=len(req.token_ids))
+            head_id = hidden_head_id(reply.hidden, "hidden_reply.hidden")
             full = np.zeros((len(req.token_ids), h.shape[1]), np.float32)
             full[got] = h
-            return full
+            return ProjectedHidden(full, head_id) if head_id else full  # a drafter projection (pre-projected FH)
 
         for t_ns, b in blocks:
             rid, rnd = b.request_id, int(b.round_id)

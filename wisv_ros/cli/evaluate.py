@@ -139,9 +139,17 @@ def cmd_decode(args) -> int:
     return 0
 
 
-def live_system_name(method: str, k: int, temperature: float) -> str:
-    """reject_k8_t1, live_greedy_k8 (not greedy_k8: that name is the replayed system's)."""
-    return f"reject_k{k}_t{temperature:g}" if method == "reject" else f"live_{method}_k{k}"
+def live_system_name(method: str, k: int, temperature: float, *, fly_entropy: float = 0.6, fly_window: int = 6,
+                     tau: float = 0.0, channel: str = "", head: str = "") -> str:
+    """reject_k8_t1, live_greedy_k8 (not greedy_k8: that name is the replayed system's),
+    fly_k8_e0.6_w6, wisv_k8_tau0.1_20mbps_50ms_<head file stem>."""
+    if method == "reject":
+        return f"reject_k{k}_t{temperature:g}"
+    if method == "fly":
+        return f"fly_k{k}_e{fly_entropy:g}_w{fly_window}"
+    if method == "wisv":
+        return f"wisv_k{k}_tau{tau:g}_{channel}_{Path(head).stem}"
+    return f"live_{method}_k{k}"
 
 
 def _keep_requests(path: Path, keep: set[str]) -> None:
@@ -169,7 +177,15 @@ def cmd_live(args) -> int:
     if drafter.tokenizer.get_vocab() != target.tokenizer.get_vocab():
         raise SystemExit(f"error: --method {args.method} needs a drafter with the target's vocabulary; "
                          f"{args.drafter} and {args.target} differ")
-    system = live_system_name(args.method, args.k, args.temperature)
+    system = live_system_name(args.method, args.k, args.temperature, fly_entropy=args.fly_entropy,
+                              fly_window=args.fly_window, tau=args.tau, channel=args.channel, head=args.head or "")
+    judge = None
+    if args.method == "wisv":
+        from wisv_ros.link.channel import scenario
+        from wisv_ros.wisv.head import OnnxHead, make_judge
+
+        channel = scenario(args.channel)
+        judge = make_judge(OnnxHead(args.head), lambda: channel)
     rows = []
     for ds in args.dataset:
         base = Path(args.out) / ds
@@ -189,7 +205,8 @@ def cmd_live(args) -> int:
                 w.writeheader()
             for i, (pid, prompt) in enumerate(bar):
                 seed = args.seed + zlib.crc32(pid.encode())  # per problem: a resumed run draws the same
-                verifier = Verifier(target, method=args.method, temperature=args.temperature, seed=seed)
+                verifier = Verifier(target, method=args.method, temperature=args.temperature, seed=seed, tau=args.tau,
+                                    judge=judge, fly_entropy=args.fly_entropy, fly_window=args.fly_window)
                 gen = generate(Drafter(drafter, temperature=args.temperature, seed=seed,
                                        min_confidence=args.min_confidence), verifier, prompt,
                                args.max_new_tokens, args.k, chat=True, stop_text=stop_rule(ds), round_log=log,
@@ -306,8 +323,9 @@ def cmd_report(args) -> int:
         jobs = [(log, dep, sc) for log in logs for dep in args.deployment for sc in REPORT_SCENARIOS]
         for log, dep, sc in tqdm(jobs, desc=f"report {ds}", unit="case", file=sys.stderr):
             deployment = profiles.deployment(dep)
-            # Rejection SD uploads the drafter's distributions with every block ([K, V] float32).
-            protocol = "dist" if log.stem.startswith("reject_") else "ids"
+            # Rejection SD uploads the drafter's distributions with every block ([K, V] float32); WISV
+            # the drafter's hiddens (fh); everything else token ids only.
+            protocol = "dist" if log.stem.startswith("reject_") else "fh" if log.stem.startswith("wisv_") else "ids"
             _, agg = latency_report(log, sc, ProfileCompute(deployment), protocol=protocol, n_boot=args.bootstrap)
             rows.append({"dataset": ds, "system": log.stem, "deployment": dep, "scenario": sc, "problems": agg["requests"],
                          "tokens": agg["tokens"], "rounds": agg["rounds"] + agg["copy_rounds"],
@@ -540,9 +558,18 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--copy", action="append", help="copy policies off, ngram, suffix, probe (repeatable; default all)")
     rep.add_argument("--min-confidence", type=float, default=0.0, help="drafter confidence stop (default %(default)s)")
     live = sub.choices["live"]
-    live.add_argument("--method", default="reject", choices=("reject", "greedy"),
+    live.add_argument("--method", default="reject", choices=("reject", "greedy", "fly", "wisv"),
                       help="reject: rejection SD (samples; not replayable); greedy: live greedy SD, e.g. to check the "
-                      "replay (default %(default)s)")
+                      "replay; fly: training-free lenient verification (--fly-entropy, --fly-window); wisv: the "
+                      "decision head (--head, --tau, --channel) (default %(default)s)")
+    live.add_argument("--fly-entropy", type=float, default=0.6,
+                      help="method fly: accept a mismatch only where the target's normalised top-8 entropy is at least this "
+                      "(0..1; default %(default)s)")
+    live.add_argument("--fly-window", type=int, default=6,
+                      help="method fly: draft tokens after the mismatch that must all match the target (default %(default)s)")
+    live.add_argument("--head", default=None, help="method wisv: decision head .onnx")
+    live.add_argument("--tau", type=float, default=0.1, help="method wisv: rejection threshold (default %(default)s)")
+    live.add_argument("--channel", default="20mbps_50ms", help="method wisv: channel scenario the head sees (default %(default)s)")
     live.add_argument("--drafter", default=DEFAULT_DRAFTER, help="drafter model, same vocabulary (default %(default)s)")
     live.add_argument("--k", type=int, default=8, help="block size (default %(default)s)")
     live.add_argument("--temperature", type=float, default=1.0,
@@ -576,8 +603,19 @@ def main(argv: list[str] | None = None) -> int:
             p.error("--k, --max-new-tokens and --threads must be >= 1")
         if args.method == "reject" and not (args.temperature > 0 and math.isfinite(args.temperature)):
             p.error(f"--temperature must be a finite number > 0 for reject (got {args.temperature})")
-        if args.method == "greedy":
+        if args.method != "reject":
             args.temperature = 0.0
+        if args.method == "fly" and (args.fly_window < 1 or not 0 <= args.fly_entropy <= 1):
+            p.error(f"--fly-window must be >= 1 and --fly-entropy in [0, 1] (got {args.fly_window}, {args.fly_entropy})")
+        if args.method == "wisv":
+            from wisv_ros.link.channel import SCENARIOS
+
+            if not (args.head and Path(args.head).is_file()):
+                p.error(f"--method wisv needs --head <decision head .onnx> (got {args.head!r})")
+            if args.channel not in SCENARIOS:
+                p.error(f"--channel '{args.channel}' is not one of {', '.join(SCENARIOS)}")
+            if not (math.isfinite(args.tau) and args.tau >= 0):
+                p.error(f"--tau must be finite and >= 0 (got {args.tau})")
         if not 0 <= args.min_confidence < 1:
             p.error(f"--min-confidence must be in [0, 1) (got {args.min_confidence})")
         return cmd_live(args)

@@ -22,8 +22,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from wisv_ros.eval.datasets import generate_gsm_symbolic
-from wisv_ros.wisv.traces import bench_labelling, collect_traces, label_mismatches, load_traces
+from wisv_ros.sd.metrics import format_table
+from wisv_ros.wisv.traces import bench_labelling, collect_traces, fly_points, label_mismatches, load_traces
 from wisv_ros.cli.common import add_model_args, check_args, load_pair, parse_shard, set_threads
+from wisv_ros.sd.engines import resolve_backend
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     lab.add_argument("--max-new-tokens", type=int, default=None,
                      help="continuation length limit; reaching it without a final answer counts as critical "
                           "(default: the traces' own answer budget)")
+    lab.add_argument("--rejoin", type=int, default=0,
+                     help="llama.cpp target: stop a continuation once its last N tokens occur in the target's own answer "
+                          "after the branch point, and label it not critical (0 = always continue to the final answer; "
+                          "default %(default)s)")
     lab.add_argument("--shard", default="0/1", help="I/N: label only problems I, I+N, I+2N, ... (run N processes side by side; default %(default)s)")
     ben = sub.add_parser("bench-label", help="time shared-prefix labelling against per-context prefills")
     ben.add_argument("--out", required=True, help="trace folder (collected)")
@@ -50,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     ben.add_argument("--csv", default="runs/label_bench.csv", help="CSV output (default %(default)s)")
     summ = sub.add_parser("summary", help="counts of a trace folder")
     summ.add_argument("--out", required=True, help="trace folder")
+    summ.add_argument("--fly", action="store_true", help="also what the FLy-style baseline would accept (per entropy and window)")
+    summ.add_argument("--csv", default=None, help="with --fly: write its table here")
     for sp in (col, lab, ben):
         add_model_args(sp)
     args = p.parse_args(argv)
@@ -59,6 +67,17 @@ def main(argv: list[str] | None = None) -> int:
         labelled = tr.labels >= 0
         print(f"problems {len(tr.problems)}  mismatches {len(tr.records)}  labelled {int(labelled.sum())}  "
               f"critical {int((tr.labels == 1).sum())}  hidden {tr.h_draft.shape[1]}+{tr.h_target.shape[1]}")
+        if args.fly and labelled.any():
+            rows = fly_points(tr)
+            print("\nFLy-style rule on the labelled mismatches (share accepted / of critical ones / of answers with a "
+                  "critical one accepted):")
+            print(format_table([{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()} for r in rows]))
+            if args.csv:
+                Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
+                with open(args.csv, "w", newline="") as f:
+                    w = csv.DictWriter(f, fieldnames=list(rows[0]))
+                    w.writeheader()
+                    w.writerows(rows)
         return 0
     check_args(args)
     set_threads(args.threads)
@@ -90,10 +109,22 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.batch_size < 1:
         p.error(f"--batch-size must be >= 1 (got {args.batch_size})")
+    if args.rejoin < 0:
+        p.error(f"--rejoin must be >= 0 (got {args.rejoin})")
     shard = parse_shard(p, args.shard)
-    target, _ = load_pair(args, need_drafter=False)
+    if resolve_backend(args.target, args.target_backend) == "llama_cpp":
+        # One cache sequence per continuation of a batch, cells for all of them beside the answer.
+        from wisv_ros.sd.llama_cpp_lm import LlamaCppLM
+
+        budget = args.max_new_tokens or int(load_traces(Path(args.out)).meta.get("max_new_tokens", 320))
+        target = LlamaCppLM.from_gguf(args.target, n_ctx=2048 + args.batch_size * budget,
+                                      threads=max(1, args.threads), n_seq_max=args.batch_size + 1)
+    else:
+        if args.rejoin:
+            p.error("--rejoin needs --target-backend llama_cpp")
+        target, _ = load_pair(args, need_drafter=False)
     res = label_mismatches(target, Path(args.out), batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                           limit=args.limit, shard=shard, progress=lambda total: tqdm(total=total, desc="labels", unit="label", file=sys.stderr))
+                           limit=args.limit, shard=shard, rejoin=args.rejoin, progress=lambda total: tqdm(total=total, desc="labels", unit="label", file=sys.stderr))
     print(f"labelled {res['labelled']} ({res['critical']} critical) in {res['seconds']} s: {res['labels_per_hour']} labels/hour")
     return 0
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from wisv_ros.interfaces.wire import WireError, fill_hidden, fill_tensor, is_empty, read_hidden, read_tensor
+from wisv_ros.interfaces.wire import WireError, fill_hidden, fill_tensor, hidden_head_id, is_empty, read_hidden, read_tensor
 from wisv_ros.sd.rounds import PROTOCOLS, BlockRequest, EdgeReply
 
 __all__ = ["HIDDEN_WIRE_DTYPE", "PROTOCOL_CODE", "fill_block", "fill_verdict", "read_block", "read_verdict"]
@@ -30,12 +30,13 @@ def read_block(msg, vocab_size: int | None = None) -> BlockRequest:
     protocol = PROTOCOLS[int(msg.protocol)]
     token_ids = [int(i) for i in msg.token_ids]
     k = len(token_ids)
-    hidden = None
+    hidden, head_id = None, ""
     if protocol == "fh":
         hidden, positions = read_hidden(msg.hidden, "hidden", n=k, positions_below=max(k, 1))
         if positions != list(range(k)):
             raise WireError(f"hidden: positions {positions}, expected 0..{k - 1} under protocol fh")
-    elif not is_empty(msg.hidden):
+        head_id = hidden_head_id(msg.hidden)
+    elif not is_empty(msg.hidden) or getattr(msg.hidden, "head_id", ""):
         raise WireError(f"hidden: must be empty under protocol {protocol}")
     probs = None
     if not is_empty(msg.draft_probs):
@@ -44,11 +45,12 @@ def read_block(msg, vocab_size: int | None = None) -> BlockRequest:
         request_id=msg.request_id, round_id=int(msg.round_id), prefix_length=int(msg.prefix_length),
         token_ids=token_ids, k=int(msg.k), protocol=protocol, method=msg.method, tau=float(msg.tau),
         temperature=float(msg.temperature), context_ids=[int(i) for i in msg.context_ids], hidden=hidden,
-        draft_probs=probs, draft_time_s=float(msg.draft_time_s), copy_budget=int(msg.copy_budget))
+        draft_probs=probs, draft_time_s=float(msg.draft_time_s), copy_budget=int(msg.copy_budget), head_id=head_id)
 
 
 def fill_block(msg, req: BlockRequest) -> None:
-    """Write a ``BlockRequest`` into a DraftBlock message (hiddens only under fh, as float16)."""
+    """Write a ``BlockRequest`` into a DraftBlock message (hiddens, or the projections of ``head_id``,
+    only under fh, as float16)."""
     msg.request_id = req.request_id
     msg.round_id = req.round_id
     msg.prefix_length = req.prefix_length
@@ -60,7 +62,7 @@ def fill_block(msg, req: BlockRequest) -> None:
     msg.tau = float(req.tau)
     msg.temperature = float(req.temperature)
     if req.protocol == "fh":
-        fill_hidden(msg.hidden, req.hidden, dtype=HIDDEN_WIRE_DTYPE)
+        fill_hidden(msg.hidden, req.hidden, dtype=HIDDEN_WIRE_DTYPE, head_id=req.head_id)
     if req.draft_probs is not None:
         # float32: the acceptance ratio must use the distribution the drafter sampled from.
         fill_tensor(msg.draft_probs, np.asarray(req.draft_probs, np.float32), "float32", "draft_probs")

@@ -1,7 +1,8 @@
 """numpy arrays <-> the byte-blob tensor fields of the messages (HiddenStates, Tensor).
 
 A tensor travels as ``data`` (uint8[], little-endian, C order), ``dtype`` (a string) and ``shape``
-(uint32[]); HiddenStates adds ``positions``. Writing goes through ``array.array('B', a.tobytes())``
+(uint32[]); HiddenStates adds ``positions`` and ``head_id`` (empty: raw drafter hiddens; else the
+decision head whose drafter projection the rows are, see ``wisv.head``). Writing goes through ``array.array('B', a.tobytes())``
 (about 3 ms/MB, ten times faster than assigning a numpy array to a ``float32[]`` field); reading
 uses ``np.frombuffer`` on the received ``array.array`` without a copy.
 
@@ -30,6 +31,7 @@ __all__ = [
     "encode_array",
     "fill_hidden",
     "fill_tensor",
+    "hidden_head_id",
     "is_empty",
     "read_hidden",
     "read_tensor",
@@ -103,8 +105,9 @@ def fill_tensor(msg, a: np.ndarray, dtype: str = "float32", field: str = "tensor
 
 
 def fill_hidden(msg, a: np.ndarray, positions: Sequence[int] | None = None, dtype: str = "float16",
-                field: str = "hidden"):
-    """Fill a HiddenStates: ``a`` is [n, d]; ``positions`` (default 0..n-1) the draft positions."""
+                field: str = "hidden", head_id: str = ""):
+    """Fill a HiddenStates: ``a`` is [n, d]; ``positions`` (default 0..n-1) the draft positions;
+    ``head_id``: '' for raw drafter hiddens, else the head whose drafter projection ``a`` holds."""
     a = np.asarray(a)
     if a.ndim != 2:
         raise WireError(f"{field}: hidden states must be 2-D [positions, hidden_size], got shape {list(a.shape)}")
@@ -113,7 +116,21 @@ def fill_hidden(msg, a: np.ndarray, positions: Sequence[int] | None = None, dtyp
         raise WireError(f"{field}: {len(positions)} positions for {a.shape[0]} hidden states")
     fill_tensor(msg, a, dtype, field)
     msg.positions = positions
+    if head_id or hasattr(msg, "head_id"):
+        msg.head_id = head_id
     return msg
+
+
+MAX_HEAD_ID = 64  # characters; the ids of wisv.head are 16 hex digits
+
+
+def hidden_head_id(msg, field: str = "hidden") -> str:
+    """``head_id`` of a HiddenStates field ('' = raw drafter hiddens, also for messages without the field)."""
+    head_id = str(getattr(msg, "head_id", "") or "")
+    if len(head_id) > MAX_HEAD_ID or not head_id.isprintable():
+        raise WireError(f"{field}.head_id: {len(head_id)} characters or unprintable ones; a head id is "
+                        f"at most {MAX_HEAD_ID} printable characters")
+    return head_id
 
 
 def is_empty(msg) -> bool:

@@ -15,6 +15,9 @@ Protocols: ``ids`` sends token ids; ``fh`` adds the K drafter hidden states (flo
 ``sh`` keeps them on the robot and answers HiddenRequest; ``adaptive`` = ``ids`` for greedy and
 reject, and for wisv the cheaper of fh/sh by ``link.channel.choose_protocol`` on the latest channel
 state (fh until one arrives). Method ``reject`` always sends ids + the drafter distributions.
+With ``head_path`` (the verifier's WISV decision head), fh blocks and sh replies carry the head's
+drafter projection ([K, 64] for the shipped heads) instead of the [K, d_D] hiddens, named by the
+head's id (``wisv.head``; pre-projected FH uplink); a verifier running another head refuses them.
 
 The result: ``rounds`` are round trips (copy rounds on the edge are counted apart: ``copy_rounds``,
 ``copy_committed``) and ``aal`` is tokens per round trip; ``draft_time_s``, ``round_trip_s`` (block
@@ -50,7 +53,7 @@ from wisv_ros.sd.verification import Method
 
 __all__ = ["DrafterNode", "main"]
 
-METHODS = (Method.GREEDY.value, Method.REJECT.value, Method.WISV.value)
+METHODS = (Method.GREEDY.value, Method.REJECT.value, Method.WISV.value, Method.FLY.value)
 PROTOCOLS = ("ids", "fh", "sh", "adaptive")
 
 
@@ -90,10 +93,13 @@ class DrafterNode(ServingNode):
         declare(self, "seed", 0, "seed of the drafter's sampling", lo=0, hi=2**31 - 1)
         declare(self, "threads", 1, "CPU threads of the drafter's engine", lo=1, hi=256)
         declare(self, "backend", "auto", "drafter engine: auto (llama_cpp for GGUF weights, torch for the rest), torch or llama_cpp", choices=BACKENDS)
+        declare(self, "head_path", "", "the verifier's WISV decision head (.onnx with its .json sidecar): under fh and sh send "
+                "its drafter projection (the head's hidden width, 64 for the shipped heads) instead of the drafter hidden "
+                "states; the verifier must run the same head; '' = send the hidden states")
         for name, choices in (("method", METHODS), ("protocol", PROTOCOLS), ("on_edge_loss", EDGE_LOSS), ("backend", BACKENDS)):
             check_choice(name, self._param(name), choices)
         self.add_on_set_parameters_callback(frozen_after_start(
-            {"drafter_model", "target_tokenizer_model", "threads", "backend"},
+            {"drafter_model", "target_tokenizer_model", "threads", "backend", "head_path"},
             {"method": METHODS, "protocol": PROTOCOLS, "on_edge_loss": EDGE_LOSS},
         ))
 
@@ -110,6 +116,7 @@ class DrafterNode(ServingNode):
                                     cancel_callback=lambda _req: CancelResponse.ACCEPT, feedback_pub_qos_profile=FEEDBACK_QOS)
         self._lm = None
         self._target_tok = None
+        self._projection = None  # wisv.head.DraftProjection of head_path (pre-projected FH uplink)
         self._load_error: str | None = None
         self._goal_lock = threading.Lock()
         self._link = DdsLink(self)
@@ -123,7 +130,7 @@ class DrafterNode(ServingNode):
         return self.get_parameter(name).value
 
     def _release(self) -> None:
-        self._lm = self._target_tok = None
+        self._lm = self._target_tok = self._projection = None
 
     def _load(self) -> bool:
         try:
@@ -137,9 +144,20 @@ class DrafterNode(ServingNode):
                 target_tok = load_tokenizer(target_spec)
                 if same_vocabulary(tok, target_tok):
                     target_tok = None
-            self._lm, self._target_tok = lm, target_tok
+            projection = None
+            head_path = self._param("head_path")
+            if head_path:
+                from wisv_ros.wisv.head import load_projection
+
+                projection = load_projection(head_path)
+                if projection.d_draft != lm.hidden_size:
+                    raise ValueError(f"head_path {head_path}: the head expects drafter hidden size {projection.d_draft}, "
+                                     f"the drafter has {lm.hidden_size}")
+            self._lm, self._target_tok, self._projection = lm, target_tok, projection
             self.get_logger().info(f"drafter {spec} ({resolve_backend(spec, self._param('backend'))}) loaded in {time.perf_counter() - t0:.1f} s"
-                                   + (f"; cross-tokenizer with {target_spec}" if target_tok is not None else ""))
+                                   + (f"; cross-tokenizer with {target_spec}" if target_tok is not None else "")
+                                   + (f"; sending the drafter projection of head {head_path} (id {projection.head_id}, "
+                                      f"{projection.hidden} wide) instead of {lm.hidden_size}-wide hiddens" if projection else ""))
             return True
         except Exception as exc:  # reported on every goal; the node stays up
             self._load_error = f"{type(exc).__name__}: {exc}"
@@ -232,9 +250,11 @@ class DrafterNode(ServingNode):
             else:
                 self.get_logger().info(text)
 
+        projection = self._projection
+        width = projection.hidden if projection is not None else self._lm.hidden_size  # what a row costs on the link
         return RobotSession(drafter, request_id, t_prompt, d_prompt, policy, self._link, self._eos(),
-                            protocol_for=protocol_chooser(policy.protocol, policy.method, self._lm.hidden_size, lambda: self._channel),
-                            log=log, mean_mismatch=self._mean_mismatch)
+                            protocol_for=protocol_chooser(policy.protocol, policy.method, width, lambda: self._channel),
+                            log=log, mean_mismatch=self._mean_mismatch, projection=projection)
 
     def _fill_result(self, result, out: list[int], res, latency: float) -> None:
         result.text = self._decode(out)

@@ -8,9 +8,10 @@ import time
 import numpy as np
 
 from wisv_ros.interfaces.convert import HIDDEN_WIRE_DTYPE, fill_block, read_verdict
-from wisv_ros.interfaces.wire import WireError, fill_hidden, read_hidden
+from wisv_ros.interfaces.wire import WireError, fill_hidden, hidden_head_id, read_hidden
 from wisv_ros.nodes.common import msg_bytes, stamp_now
 from wisv_ros.sd.rounds import BlockRequest, EdgeReply
+from wisv_ros.wisv.head import ProjectedHidden
 
 __all__ = ["DdsLink", "HiddenFetch"]
 
@@ -25,7 +26,7 @@ class DdsLink:
         self.awaiting: tuple[str, int] | None = None
         self.verdict = None
         self.totals = {"up": 0, "down": 0, "round_trip_s": 0.0, "hidden_requests": 0}
-        self.last_block: tuple | None = None  # (request_id, round_id, hiddens) of the block in flight
+        self.last_block: tuple | None = None  # (request_id, round_id, hiddens, head_id) of the block in flight
 
     def exchange(self, req: BlockRequest, timeout_s: float) -> EdgeReply | None:
         node = self.node
@@ -34,7 +35,7 @@ class DdsLink:
         fill_block(msg, req)
         with self.cv:
             self.awaiting, self.verdict = (req.request_id, req.round_id), None
-            self.last_block = (req.request_id, req.round_id, req.hidden)
+            self.last_block = (req.request_id, req.round_id, req.hidden, req.head_id)
         self.count(up=msg_bytes(msg))
         t0 = time.perf_counter()
         node._block_pub.publish(msg)
@@ -61,12 +62,15 @@ class DdsLink:
         return False
 
     def answer_hidden_request(self, msg) -> None:
-        """SH, robot side: send the asked rows of the last block's hiddens (HiddenReply)."""
+        """SH, robot side: send the asked rows of the last block's hiddens, or of their projections (HiddenReply)."""
         node, last = self.node, self.last_block
         if last is None or (last[0], last[1]) != (msg.request_id, msg.round_id):
             node.get_logger().warning(f"hidden request for request {msg.request_id} round {msg.round_id}: not the last block; ignored")
             return
         hidden = last[2]
+        if hidden is None:
+            node.get_logger().warning(f"hidden request for request {msg.request_id} round {msg.round_id}: the block has no hiddens; ignored")
+            return
         positions = [int(p) for p in msg.positions]
         if any(not 0 <= p < hidden.shape[0] for p in positions):
             node.get_logger().warning(f"hidden request positions {positions} outside the block of {hidden.shape[0]}; ignored")
@@ -74,7 +78,7 @@ class DdsLink:
         reply = node._HiddenReply()
         stamp_now(node, reply.header)
         reply.request_id, reply.round_id = msg.request_id, msg.round_id
-        fill_hidden(reply.hidden, hidden[positions], positions, HIDDEN_WIRE_DTYPE)
+        fill_hidden(reply.hidden, hidden[positions], positions, HIDDEN_WIRE_DTYPE, head_id=last[3])
         self.count(up=msg_bytes(reply), down=msg_bytes(msg), hidden_requests=1)
         node._reply_pub.publish(reply)
 
@@ -102,7 +106,8 @@ class HiddenFetch:
         return self.sh
 
     def fetch(self, req, positions: list[int]):
-        """SH: the drafter's hiddens at ``positions`` as a [k, d] array (zeros elsewhere); None if they do not arrive."""
+        """SH: the drafter's hiddens at ``positions`` as a [k, d] array (zeros elsewhere), a
+        ``ProjectedHidden`` of it when the reply names a head (``head_id``); None if they do not arrive."""
         node = self.node
         rid, rnd, k = req.request_id, req.round_id, len(req.token_ids)
         msg = node._HiddenRequest()
@@ -124,6 +129,7 @@ class HiddenFetch:
         self.sh["up"] += msg_bytes(reply)
         try:
             h, got = read_hidden(reply.hidden, "hidden_reply.hidden", n=len(positions), positions_below=k)
+            head_id = hidden_head_id(reply.hidden, "hidden_reply.hidden")
         except WireError as exc:
             node.get_logger().warning(f"request {rid} round {rnd}: {exc}; rejecting the mismatches")
             return None
@@ -132,7 +138,7 @@ class HiddenFetch:
             return None
         full = np.zeros((k, h.shape[1]), np.float32)
         full[positions] = h
-        return full
+        return ProjectedHidden(full, head_id) if head_id else full
 
     def offer(self, msg) -> None:
         node = self.node

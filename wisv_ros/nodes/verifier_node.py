@@ -29,7 +29,9 @@ Threads: the node spins one executor thread (``common.run_node``) whose callback
 block callback queues the block, and one verification thread takes blocks in arrival order and
 runs the target; hidden replies and channel states are handled by the executor meanwhile. The
 WISV decision head is an ONNX file (``head_path``, see ``wisv.head``); with none, method wisv
-rejects every mismatch, i.e. behaves as greedy (logged once).
+rejects every mismatch, i.e. behaves as greedy (logged once). Drafter rows may arrive as the head's
+drafter projection (``hidden.head_id`` set: a drafter_node with the same ``head_path``); rows of
+another head are refused with a verdict error starting ``head_id:`` (``wisv.head.HeadMismatch``).
 """
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ from wisv_ros.switchsd.copying import COPY_MODES
 
 __all__ = ["VerifierNode", "main"]
 
-METHODS = ("greedy", "reject", "wisv")
+METHODS = ("greedy", "reject", "wisv", "fly")
 
 
 class VerifierNode(ServingNode):
@@ -67,6 +69,10 @@ class VerifierNode(ServingNode):
         declare(self, "hidden_request_timeout_s", 2.0, "SH: wait this long for the drafter's hidden states (s)", lo=0.001, hi=600.0)
         declare(self, "channel_deadline_s", 1.0, "channel_state must arrive at least this often, else a warning is logged (s; 0 = no deadline)", lo=0.0, hi=3600.0)
         declare(self, "head_path", "", "WISV decision head (.onnx with its .json sidecar); '' = none: wisv behaves as greedy")
+        declare(self, "fly_entropy", 0.6, "method fly: accept a mismatch only where the target's normalised top-8 entropy is "
+                "at least this (0 = always, > 1 = never: greedy)", lo=0.0, hi=2.0)
+        declare(self, "fly_window", 6, "method fly: the draft tokens after an accepted mismatch that must all match the "
+                "target's own (deferred window)", lo=1, hi=256)
         declare(self, "default_channel", "20mbps_50ms", "channel scenario the head assumes until the first channel_state arrives", choices=tuple(SCENARIOS))
         declare(self, "max_requests", 16, "requests whose verifier state is kept (oldest dropped first)", lo=1, hi=4096)
         declare(self, "max_context", 4096, "longest committed context + block of a request (tokens); longer blocks are "
@@ -161,14 +167,16 @@ class VerifierNode(ServingNode):
             if probe is not None and probe.d_model != lm.hidden_size:
                 raise ValueError(f"probe {self._param('probe_path')} expects hidden size {probe.d_model}, the target has {lm.hidden_size}")
             head_path = self._param("head_path")
-            judge = self._reject_all
+            judge, head_note = self._reject_all, "; no decision head"
             if head_path:
                 from wisv_ros.wisv.head import OnnxHead, make_judge
 
                 head = OnnxHead(head_path)
                 if head.d_target != lm.hidden_size:
                     raise ValueError(f"head {head_path} expects target hidden size {head.d_target}, the target has {lm.hidden_size}")
-                judge = make_judge(head, self._channel_state)
+                judge = make_judge(head, self._channel_state)  # takes drafter projections of head.head_id too
+                head_note = (f"; decision head {head_path} (id {head.head_id})" if head.head_id else
+                             f"; decision head {head_path} (takes no drafter projections: {head.split_error})")
             copy = CopyConfig.for_mode(self._param("copy"), probe, kappa=int(self._param("copy_kappa")),
                                        width=int(self._param("copy_width")), depth=int(self._param("copy_depth")))
             lm.feed(list(range(8)), n_logits=1)  # warm-up: the first pass pages the weights in, sets up the kernels
@@ -182,7 +190,7 @@ class VerifierNode(ServingNode):
                                       copy_max_rounds=int(self._param("copy_max_rounds")), round_log=self._round_log,
                                       max_context=int(self._param("max_context")), max_block=int(self._param("max_block")))
             self.get_logger().info(f"target {spec} ({backend}, {dtype}) loaded and warmed up in {time.perf_counter() - t0:.1f} s"
-                                   + (f"; decision head {head_path}" if head_path else "; no decision head"))
+                                   + head_note)
             return True
         except Exception as exc:
             self._load_error = f"{type(exc).__name__}: {exc}"
@@ -281,6 +289,7 @@ class VerifierNode(ServingNode):
         if edge is not None:  # parameters that may change while the node runs
             edge.method, edge.max_requests = Method(self._param("method")), int(self._param("max_requests"))
             edge.copy_max_rounds, edge.seed = int(self._param("copy_max_rounds")), int(self._param("seed"))
+            edge.fly_entropy, edge.fly_window = float(self._param("fly_entropy")), int(self._param("fly_window"))
         if edge is None:
             reply = EdgeReply(msg.request_id, int(msg.round_id),
                               error=self._load_error or f"{EDGE_LOADING}: verifier_node is not active yet (loading its "

@@ -21,7 +21,11 @@ from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["Decision", "greedy_accept", "judged_accept", "mismatch_positions", "rejection_accept", "softmax_t"]
+__all__ = ["FLY_TOP_K", "Decision", "fly_accept", "greedy_accept", "judged_accept", "mismatch_positions",
+           "rejection_accept", "softmax_t", "topk_entropy"]
+
+#: Probabilities the FLy-style entropy gate looks at (``topk_entropy``).
+FLY_TOP_K = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +97,48 @@ def judged_accept(
                 if p >= tau:
                     cut = pos
                     break
+    return Decision(accepted=cut, next_id=int(argmax[cut]))
+
+
+def topk_entropy(logits: torch.Tensor, k: int = FLY_TOP_K) -> torch.Tensor:
+    """Normalised entropy of the ``k`` most likely tokens, per row of ``logits`` [..., V]: their
+    probabilities renormalised to sum 1, entropy divided by log k. 0: one token holds all the top-k
+    mass (the target is sure); 1: the k are equally likely (several continuations are plausible)."""
+    if k < 2:
+        raise ValueError(f"topk_entropy needs k >= 2, got {k}")
+    top = torch.topk(torch.softmax(logits.float(), dim=-1), k, dim=-1).values
+    q = top / top.sum(dim=-1, keepdim=True)
+    return -(q * torch.log(q.clamp_min(1e-30))).sum(dim=-1) / float(torch.log(torch.tensor(float(k))))
+
+
+def fly_accept(draft_ids: Sequence[int], target_logits: torch.Tensor, entropy_min: float, window: int,
+               top_k: int = FLY_TOP_K) -> Decision:
+    """Training-free lenient verification in the manner of FLy (Li et al., 2025): a baseline for WISV.
+
+    A mismatch at draft position i is accepted when both hold:
+
+    * entropy gate: the target is unsure there, ``topk_entropy(L[i]) >= entropy_min``;
+    * deferred window: the next ``window`` draft tokens ``d[i+1..i+window]`` all equal the target's
+      argmax given the draft so far (the target goes on as if the draft token were its own).
+
+    The block is cut at the first mismatch that fails either test. A mismatch with fewer than
+    ``window`` draft tokens after it in the block is rejected (FLy defers that decision into the
+    next round; here it is not taken at all, which errs on the side of the target's text).
+    ``entropy_min`` > 1 rejects every mismatch: greedy verification.
+    target_logits: [K+1, V].
+    """
+    k = len(draft_ids)
+    if target_logits.shape[0] != k + 1:
+        raise ValueError(f"target_logits has {target_logits.shape[0]} rows, expected K+1 = {k + 1}")
+    if window < 1:
+        raise ValueError(f"fly window must be >= 1, got {window}")
+    argmax = target_logits.argmax(dim=-1).tolist()
+    cut = k
+    for i in mismatch_positions(draft_ids, target_logits):
+        agreed = i + window < k and all(int(draft_ids[j]) == argmax[j] for j in range(i + 1, i + window + 1))
+        if not (agreed and float(topk_entropy(target_logits[i], top_k)) >= entropy_min):
+            cut = i
+            break
     return Decision(accepted=cut, next_id=int(argmax[cut]))
 
 

@@ -27,7 +27,7 @@ import ctypes
 import sys
 import weakref
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -416,6 +416,74 @@ class LlamaCppLM(CacheSync):
         step = Step(logits=torch.from_numpy(logits), hidden=torch.from_numpy(hidden),
                     layers={k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in layers.items()})
         return step, n_pend
+
+    def continue_branches(self, prefix: Sequence[int], branches: Sequence[tuple[int, int]], max_new_tokens: int,
+                          stop: Callable[[int, list[int]], bool], batch_size: int = 8,
+                          ) -> Iterator[tuple[list[int], list[list[int]]]]:
+        """Greedy continuations of ``prefix[:p] + [token]`` for every ``(p, token)`` in ``branches``,
+        yielded batch by batch as ``(branch indices, their continuations)``.
+
+        One sequence of the cache (seq 0) holds the prefix; every branch of a batch gets its own
+        sequence sharing the prefix's first ``p`` cells (``llama_memory_seq_cp``: no copy in a
+        unified cache), and one ``llama_decode`` advances every branch of the batch by one token. A
+        branch leaves the batch when ``stop(branch index, its new tokens)`` is true or it emits an end-of-sequence
+        token, and its cells are freed. ``batch_size`` is at most ``n_seq_max - 1``; the cache needs
+        ``len(prefix) + batch_size * max_new_tokens`` cells. Afterwards seq 0 holds the prefix's
+        first ``max(p)`` tokens and the branch sequences are gone.
+        """
+        L = self._L
+        prefix = self._check_ids(prefix)
+        if not 1 <= batch_size <= self.n_seq_max - 1:
+            raise ValueError(f"batch_size {batch_size} needs n_seq_max >= {batch_size + 1} (this model has {self.n_seq_max})")
+        for p, tok in branches:
+            if not 1 <= p <= len(prefix):
+                raise ValueError(f"branch point {p} outside [1, {len(prefix)}]")
+            self._check_ids([tok])
+        if not branches:
+            return
+        n_shared = max(p for p, _ in branches)
+        need = n_shared + min(batch_size, len(branches)) * max_new_tokens
+        if need > self.n_ctx:
+            raise ValueError(f"{min(batch_size, len(branches))} branches of up to {max_new_tokens} tokens after "
+                             f"{n_shared} shared need n_ctx >= {need} (this model has {self.n_ctx})")
+        pending = self.sync(prefix[:n_shared])
+        if pending:
+            self.feed(pending)
+        eos = self.eos_ids()
+        order = sorted(range(len(branches)), key=lambda i: -branches[i][0])
+        for start in range(0, len(order), batch_size):
+            members = order[start:start + batch_size]
+            seq = {i: j + 1 for j, i in enumerate(members)}
+            conts: dict[int, list[int]] = {i: [] for i in members}
+            for i in members:
+                L.llama_memory_seq_rm(self._mem, seq[i], -1, -1)
+                L.llama_memory_seq_cp(self._mem, 0, seq[i], 0, branches[i][0])
+            active = list(members)
+            nxt = {i: (branches[i][1], branches[i][0]) for i in members}  # token to feed, its position
+            try:
+                for _ in range(max_new_tokens):
+                    self._decode([(nxt[i][0], nxt[i][1], (seq[i],)) for i in active])
+                    self.forward_passes += 1
+                    logits = self._rows(L.llama_get_logits_ith, range(len(active)), self._n_vocab)
+                    self._chunks = {}  # captured layers are not needed here
+                    keep = []
+                    for row, i in enumerate(active):
+                        t = int(logits[row].argmax())
+                        if t not in eos:
+                            conts[i].append(t)
+                            if not stop(i, conts[i]):
+                                keep.append(i)
+                                nxt[i] = (t, nxt[i][1] + 1)
+                                continue
+                        L.llama_memory_seq_rm(self._mem, seq[i], -1, -1)
+                    active = keep
+                    if not active:
+                        break
+            finally:
+                self._chunks = {}
+                for i in members:
+                    L.llama_memory_seq_rm(self._mem, seq[i], -1, -1)
+            yield members, [conts[i] for i in members]
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:

@@ -26,7 +26,10 @@ Edge side (``EdgeSessions``; used by ``verifier_node``, ``bag reverify`` and ``g
 * two-phase verification: ``begin`` runs the target pass and says which drafter hiddens the decision
   needs (``EdgeRound.hidden_positions``); the caller fetches them however they travel; ``finish``
   decides, then runs SwitchSD copy rounds (at most ``copy_max_rounds``, and the block's
-  ``copy_budget`` tokens) whose tokens end the reply's ``committed_ids``.
+  ``copy_budget`` tokens) whose tokens end the reply's ``committed_ids``;
+* pre-projected drafter rows (``BlockRequest.head_id``, ``wisv.head.ProjectedHidden``): the robot
+  may send the decision head's drafter projection instead of its hiddens (``RobotSession``'s
+  ``projection``); the edge refuses rows of another head than its judge's (``HeadMismatch``).
 
 Transports plug in with ``EdgeLink.exchange(request, timeout_s) -> EdgeReply | None`` on the robot
 side; ``InProcessLink`` connects a ``RobotSession`` to an ``EdgeSessions`` directly.
@@ -52,6 +55,7 @@ from wisv_ros.sd.metrics import DecodeStats
 from wisv_ros.sd.roundlog import RoundRecord
 from wisv_ros.sd.verification import Judge, Method, Verdict, Verifier
 from wisv_ros.switchsd.copying import CopyConfig
+from wisv_ros.wisv.head import HEAD_MISMATCH, DraftProjection, HeadMismatch, ProjectedHidden, check_head_id
 
 __all__ = [
     "EDGE_LOSS",
@@ -93,7 +97,10 @@ class BlockRequest:
 
     context_ids: the whole committed context (prompt included) when the edge needs it, else empty.
     hidden: [K, d_D] drafter hiddens; travel with the block under protocol fh only (under sh the
-        edge asks for the rows it needs).
+        edge asks for the rows it needs). With ``head_id`` set: [K, hidden] projections of those
+        hiddens by that decision head (``wisv.head.DraftProjection``) instead.
+    head_id: '' = ``hidden`` holds raw drafter hiddens; else the ``head_id`` of the decision head
+        whose drafter projection it holds (the wire: ``HiddenStates.head_id``).
     draft_probs: [K, V] the drafter's distributions (method reject only).
     method: "" = the edge's default. copy_budget: tokens that copy rounds after the block may commit.
     """
@@ -112,10 +119,17 @@ class BlockRequest:
     draft_probs: np.ndarray | None = None
     draft_time_s: float = 0.0
     copy_budget: int = 0
+    head_id: str = ""
 
     def key(self) -> tuple:
         """What identifies a resend of the same block."""
         return (self.round_id, self.prefix_length, tuple(self.token_ids))
+
+    def drafter_rows(self) -> np.ndarray | ProjectedHidden | None:
+        """``hidden`` as the judge takes it: raw [K, d_D], or ``ProjectedHidden`` when ``head_id`` is set."""
+        if self.hidden is not None and self.head_id:
+            return ProjectedHidden(self.hidden, self.head_id)
+        return self.hidden
 
 
 @dataclasses.dataclass
@@ -184,22 +198,29 @@ class EdgeSessions:
             beyond it is refused by name before any model work (one robot must not hold the target
             for minutes or exhaust its memory).
         max_block: the most draft tokens one block may carry.
+        head_id: the ``head_id`` of the drafter projections the judge takes; None = the judge's own
+            ``head_id`` attribute (``wisv.head.HeadJudge``), '' when it has none. A block or SH
+            reply projected by another head is refused (``HeadMismatch``, the error names
+            ``head_id``).
+        fly_entropy, fly_window: method fly's entropy gate and deferred window (``acceptance.fly_accept``).
     """
 
     def __init__(self, lm: CausalLM, *, method: Method = Method.GREEDY, judge: Judge | None = None,
                  copy: CopyConfig | None = None, seed: int = 0, max_requests: int = 16, copy_max_rounds: int = 32,
                  verifier_for: Callable[[], Verifier] | None = None,
                  round_log: Callable[[RoundRecord], None] | None = None,
-                 max_context: int = 8192, max_block: int = 256):
+                 max_context: int = 8192, max_block: int = 256, head_id: str | None = None, fly_entropy: float = 0.6, fly_window: int = 6):
         if max_context < 2 or max_block < 1:
             raise ValueError(f"max_context must be >= 2 and max_block >= 1 (got {max_context}, {max_block})")
         self.max_context = max_context
         self.max_block = max_block
+        self.fly_entropy, self.fly_window = fly_entropy, fly_window
         self.lm = lm
         self.round_log = round_log
         self.verifier_for = verifier_for
         self.method = Method(method)
         self.judge = judge
+        self.head_id = str(getattr(judge, "head_id", "") or "") if head_id is None else head_id
         self.copy = copy
         self.seed = seed
         self.max_requests = max_requests
@@ -217,16 +238,18 @@ class EdgeSessions:
         self._sessions[request_id].verifier.context = list(context)
 
     def handle(self, req: BlockRequest,
-               fetch_hidden: Callable[[BlockRequest, list[int]], np.ndarray | None] | None = None) -> EdgeReply:
-        """Both phases: ``begin``, the drafter hiddens (``req.hidden`` under fh, ``fetch_hidden`` under
-        sh: a [K, d_D] array with the asked rows filled, or None), ``finish``."""
+               fetch_hidden: Callable[[BlockRequest, list[int]], np.ndarray | ProjectedHidden | None] | None = None
+               ) -> EdgeReply:
+        """Both phases: ``begin``, the drafter hiddens (``req.drafter_rows()`` under fh, ``fetch_hidden``
+        under sh: a [K, d_D] array with the asked rows filled, a ``ProjectedHidden`` of them, or None),
+        ``finish``."""
         out = self.begin(req)
         if isinstance(out, EdgeReply):
             return out
         hidden = None
         if out.hidden_positions:
             if req.protocol == "fh":
-                hidden = req.hidden
+                hidden = req.drafter_rows()
             elif req.protocol == "sh" and fetch_hidden is not None:
                 hidden = fetch_hidden(req, out.hidden_positions)
         return self.finish(out, hidden)
@@ -239,12 +262,13 @@ class EdgeSessions:
             return dataclasses.replace(session.last_reply, resent=True)
         try:
             session, method = self._admit(req)
-        except BlockError as exc:
+        except (BlockError, HeadMismatch) as exc:
             return EdgeReply(req.request_id, req.round_id, error=str(exc))
         # From here the round is taken: its reply (or error) is kept for resends.
         session.last_round, session.last_key, session.last_reply = req.round_id, req.key(), None
         v = session.verifier
         v.method, v.tau, v.copy = method, float(req.tau), self.copy
+        v.fly_entropy, v.fly_window = self.fly_entropy, self.fly_window
         if method == Method.REJECT:
             v.temperature = float(req.temperature)
         probs = torch.from_numpy(np.ascontiguousarray(req.draft_probs)) if req.draft_probs is not None else None
@@ -256,11 +280,13 @@ class EdgeSessions:
             return self._remember(session, self._error(req, exc))
         return EdgeRound(req, list(tp.hidden_positions), session, tp)
 
-    def finish(self, rnd: EdgeRound, drafter_hidden: np.ndarray | None = None) -> EdgeReply:
-        """Decide (with the drafter hiddens at ``rnd.hidden_positions``, or None: reject every
-        mismatch), run the copy rounds, and keep the reply for resends."""
+    def finish(self, rnd: EdgeRound, drafter_hidden: np.ndarray | ProjectedHidden | None = None) -> EdgeReply:
+        """Decide (with the drafter hiddens at ``rnd.hidden_positions``, raw or projected, or None: reject
+        every mismatch), run the copy rounds, and keep the reply for resends."""
         req, session = rnd.request, rnd._session
         try:
+            if isinstance(drafter_hidden, ProjectedHidden):  # SH: the reply names its head
+                check_head_id(drafter_hidden.head_id, self.head_id)
             verdict = session.verifier.decide(rnd._pass, drafter_hidden)
             copies = self._copy_rounds(session.verifier, verdict.committed_ids, req.copy_budget)
         except Exception as exc:  # noqa: BLE001
@@ -275,7 +301,8 @@ class EdgeSessions:
         return self._remember(session, reply)
 
     def _log_round(self, req: BlockRequest, v: Verifier, verdict: Verdict, copies: list[Verdict],
-                   drafter_hidden: np.ndarray | None) -> None:
+                   drafter_hidden: np.ndarray | ProjectedHidden | None) -> None:
+        # hidden_dim: the width of the rows that travelled (a projection's, when pre-projected)
         hidden = req.hidden if req.hidden is not None else drafter_hidden
         hidden_dim = int(hidden.shape[-1]) if hidden is not None and hidden.ndim == 2 else 0
         method = v.method.value
@@ -343,6 +370,8 @@ class EdgeSessions:
             raise BlockError(f"hidden: protocol fh needs {k} drafter hiddens")
         if req.hidden is not None and not np.isfinite(req.hidden).all():
             raise BlockError("hidden: NaN or infinite values")
+        if req.head_id:
+            check_head_id(req.head_id, self.head_id)
         if method == Method.REJECT:
             self._check_probs(req.draft_probs, req.token_ids, vocab)
         rid, rnd = req.request_id, req.round_id
@@ -450,7 +479,7 @@ class RobotPolicy:
 
     def __post_init__(self) -> None:
         """ValueError naming the field of a request the robot cannot run."""
-        methods = (Method.GREEDY.value, Method.REJECT.value, Method.WISV.value)
+        methods = (Method.GREEDY.value, Method.REJECT.value, Method.WISV.value, Method.FLY.value)
         if self.method not in methods:
             raise ValueError(f"method '{self.method}' is not served by drafter_node (the robot side); use one of {', '.join(methods)}")
         if self.protocol not in PROTOCOLS + ("adaptive",):
@@ -526,14 +555,21 @@ class RobotSession:
         log: ``log(level, text)`` with level "info" or "warning" (None: silent).
         clock: monotonic seconds (tests replace it); sleep: waits that many seconds (likewise).
         mean_mismatch: the running mean of rejected draft positions to start from (``protocol_for``).
+        projection: the decision head's drafter part (``wisv.head.DraftProjection``): blocks under fh
+            and sh carry its [K, hidden] projections of the hiddens (``BlockRequest.head_id``) instead
+            of the [K, d_D] hiddens (pre-projected FH uplink); None = raw hiddens. An edge that refuses
+            them (``HeadMismatch``: it runs another head, or none) gets the raw hiddens for the rest
+            of the request (a warning is logged; the round is drafted and sent again).
     """
 
     def __init__(self, drafter: Drafter, request_id: str, target_prompt: Sequence[int], drafter_prompt: Sequence[int],
                  policy: RobotPolicy, link: EdgeLink, eos: set[int],
                  protocol_for: Callable[[int, float], str] = lambda _k, _m: "ids",
                  log: Callable[[str, str], None] | None = None, clock: Callable[[], float] = time.monotonic,
-                 mean_mismatch: float = 0.0, sleep: Callable[[float], None] = time.sleep):
+                 mean_mismatch: float = 0.0, sleep: Callable[[float], None] = time.sleep,
+                 projection: DraftProjection | None = None):
         self.drafter, self.request_id, self.policy, self.link, self.eos = drafter, request_id, policy, link, eos
+        self.projection = projection
         self.sleep = sleep
         self.target_prompt = list(target_prompt)
         self.protocol_for = protocol_for
@@ -600,6 +636,12 @@ class RobotSession:
                     self.log("info", f"request {self.request_id}: {err}")  # the edge restarted: resend the context
                     need_context, unknown = True, unknown + 1
                     continue
+                elif reply is not None and reply.error.startswith(HEAD_MISMATCH) and self.projection is not None:
+                    # The edge runs another head (or none): the request goes on with the raw hiddens.
+                    self.log("warning", f"request {self.request_id}: {err}; sending the drafter hiddens instead of "
+                                        "the projection for the rest of the request")
+                    self.projection = None
+                    continue
                 elif p.on_edge_loss == "error":
                     raise EdgeLost(f"edge lost in round {round_id - 1}: {err}")
                 else:
@@ -627,12 +669,15 @@ class RobotSession:
     def _request(self, block: DraftBlock, round_id: int, need_context: bool, copy_budget: int) -> BlockRequest:
         p = self.policy
         protocol = "ids" if p.method == Method.REJECT.value else self.protocol_for(len(block.token_ids), self.mean_mismatch)
+        hidden, head_id = block.hidden, ""
+        if self.projection is not None and protocol in ("fh", "sh") and hidden is not None:
+            hidden, head_id = self.projection(hidden), self.projection.head_id
         return BlockRequest(
             request_id=self.request_id, round_id=round_id, prefix_length=block.prefix_length,
             token_ids=list(block.token_ids), k=p.k, protocol=protocol, method=p.method, tau=p.tau,
             temperature=p.temperature,
             context_ids=self.target_prompt + self.drafter.committed if need_context else [],
-            hidden=block.hidden,
+            hidden=hidden, head_id=head_id,
             draft_probs=block.probs.float().numpy() if p.method == Method.REJECT.value and block.probs is not None else None,
             draft_time_s=block.draft_time_s, copy_budget=max(0, copy_budget))
 
@@ -679,13 +724,13 @@ def protocol_chooser(protocol: str, method: str, hidden_dim: int, channel: Calla
 # =========================================================================== in process
 class InProcessLink:
     """Robot and edge in one process: a block reaches ``EdgeSessions`` directly (no loss, no wait);
-    under sh the edge reads the asked rows from the block's hiddens."""
+    under sh the edge reads the asked rows from the block's hiddens (or projections)."""
 
     def __init__(self, edge: EdgeSessions):
         self.edge = edge
 
     def exchange(self, req: BlockRequest, timeout_s: float) -> EdgeReply:
-        return self.edge.handle(req, fetch_hidden=lambda r, _positions: r.hidden)
+        return self.edge.handle(req, fetch_hidden=lambda r, _positions: r.drafter_rows())
 
     def edge_present(self) -> bool:
         return True
@@ -722,6 +767,7 @@ def generate(
     copy_max_rounds: int = 32,
     round_log: Callable[[RoundRecord], None] | None = None,
     request_id: str = "in-process",
+    projection: DraftProjection | None = None,
 ) -> Generation:
     """Speculative decoding in one process: the round protocol of the nodes with the edge in process.
 
@@ -731,20 +777,24 @@ def generate(
     committed by each round (streaming). on_round: called with (block, the block's verdict, tokens
     generated before the round) after each round (trace collection). stop_text: ends generation
     after the round whose text makes it true (e.g. a final answer). round_log: gets a
-    ``roundlog.RoundRecord`` per round (``EdgeSessions``), under ``request_id``.
+    ``roundlog.RoundRecord`` per round (``EdgeSessions``), under ``request_id``. projection: the
+    blocks carry this head's drafter projections instead of the hiddens (pre-projected FH); the
+    verifier's judge must run the same head (``wisv.head.HeadJudge``), else the first block is
+    refused and the request goes on with the hiddens.
     """
     target_prompt = encode_prompt(verifier.lm.tokenizer, prompt, chat)
     drafter_prompt = encode_prompt(drafter.lm.tokenizer, prompt, chat) if drafter.cross else target_prompt
     if stats is None:
         stats = DecodeStats(method=str(verifier.method), k=k, hidden_dim=drafter.lm.hidden_size, vocab_size=verifier.lm.vocab_size)
     edge = EdgeSessions(verifier.lm, method=verifier.method, judge=verifier.judge, copy=verifier.copy,
-                        copy_max_rounds=copy_max_rounds, verifier_for=lambda: verifier, round_log=round_log)
+                        copy_max_rounds=copy_max_rounds, verifier_for=lambda: verifier, round_log=round_log,
+                        fly_entropy=verifier.fly_entropy, fly_window=verifier.fly_window)
     policy = RobotPolicy(k=k, max_new_tokens=max_new_tokens, method=verifier.method.value, tau=verifier.tau,
                          temperature=verifier.temperature if verifier.method == Method.REJECT else 0.0,
                          on_edge_loss="error")
     eos = verifier.lm.eos_ids()
     session = RobotSession(drafter, request_id, target_prompt, drafter_prompt, policy, InProcessLink(edge), eos,
-                           protocol_for=lambda _k, _m: "fh")
+                           protocol_for=lambda _k, _m: "fh", projection=projection)
     out: list[int] = []
 
     def account(block: DraftBlock, reply: EdgeReply | None, n_before: int) -> None:

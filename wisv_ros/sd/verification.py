@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from wisv_ros.sd.acceptance import greedy_accept, judged_accept, mismatch_positions, rejection_accept
+from wisv_ros.sd.acceptance import fly_accept, greedy_accept, judged_accept, mismatch_positions, rejection_accept
 from wisv_ros.sd.drafting import DraftBlock
 from wisv_ros.sd.lm import CausalLM
 from wisv_ros.switchsd.copying import CopyConfig, verify_tree
@@ -46,6 +46,7 @@ class Method(str, enum.Enum):
     GREEDY = "greedy"  # greedy speculative decoding (lossless)
     REJECT = "reject"  # rejection-sampling speculative decoding (same vocabulary only)
     WISV = "wisv"  # channel-aware semantic verification (decision head at mismatches)
+    FLY = "fly"  # training-free lenient verification (entropy gate + deferred window; a WISV baseline)
 
     def __str__(self) -> str:
         return self.value
@@ -105,8 +106,10 @@ class Verifier:
         temperature: sampling temperature of REJECT (> 0).
         tau: WISV threshold (rejection probability >= tau rejects); 0 = greedy, > 1 accepts all.
         judge: WISV decision head (``Judge``); called only at mismatch positions.
-        copy: SwitchSD copy mode (``copy_round``); its rounds accept greedily under GREEDY and
-            WISV, and by speculative sampling under REJECT (exact, see ``switchsd.copying``).
+        copy: SwitchSD copy mode (``copy_round``); its rounds accept greedily under GREEDY, WISV
+            and FLY, and by speculative sampling under REJECT (exact, see ``switchsd.copying``).
+        fly_entropy, fly_window: FLY's entropy gate (normalised top-k entropy, 0..1; > 1 = greedy)
+            and deferred window (draft tokens), see ``acceptance.fly_accept``.
         seed: seeds REJECT sampling. The verifier's stream is derived from the seed so that it
             never equals the drafter's stream for the same seed (equal streams would correlate the
             acceptance test with the draft and bias the output distribution).
@@ -121,6 +124,8 @@ class Verifier:
         judge: Judge | None = None,
         seed: int = 0,
         copy: CopyConfig | None = None,
+        fly_entropy: float = 0.6,
+        fly_window: int = 6,
     ):
         if method == Method.TARGET_ONLY:
             raise ValueError("method target_only has no verifier; use rounds.generate_target_only()")
@@ -135,6 +140,8 @@ class Verifier:
         self.temperature = temperature
         self.tau = tau
         self.judge = judge
+        self.fly_entropy = fly_entropy
+        self.fly_window = fly_window
         self.generator = torch.Generator().manual_seed(seed + _VERIFIER_SEED_OFFSET)
         self.context: list[int] = []  # prompt + committed, target vocabulary
 
@@ -173,6 +180,8 @@ class Verifier:
         t1 = time.perf_counter()
         if self.method == Method.REJECT:
             decision = rejection_accept(draft, tp.block.probs, tp.logits, self.temperature, self.generator)
+        elif self.method == Method.FLY:
+            decision = fly_accept(draft, tp.logits, self.fly_entropy, self.fly_window)
         elif tp.hidden_positions and drafter_hidden is not None:
             decision = judged_accept(draft, tp.logits, lambda s: self.judge(drafter_hidden, s, tp.target_hidden), self.tau)
         else:

@@ -42,12 +42,14 @@ import numpy as np
 import torch
 
 from wisv_ros.eval.datasets import read_jsonl, Problem, build_prompt, extract_final_number
+from wisv_ros.sd.acceptance import FLY_TOP_K
 from wisv_ros.sd.drafting import DraftBlock, Drafter, encode_prompt
 from wisv_ros.sd.verification import Verdict, Verifier
 from wisv_ros.sd.rounds import generate
 from wisv_ros.sd.lm import CausalLM
 
-__all__ = ["TraceWriter", "collect_traces", "label_mismatches", "load_traces", "answer_complete", "bench_labelling"]
+__all__ = ["TraceWriter", "collect_traces", "label_mismatches", "load_traces", "answer_complete", "bench_labelling",
+           "fly_points", "target_features"]
 
 _SHARD_ROWS = 512
 # "The answer is 42." / "The answer is $1,234.50" followed by something that is not a digit.
@@ -117,13 +119,55 @@ class TraceWriter:
 
 
 def _model_name(lm: CausalLM, default: str) -> str:
-    """The model's folder name (the registry name for converted models), not its path: a trace
-    folder committed on one machine resumes on another whose cache lives elsewhere."""
+    """The model's folder name (the registry name for converted models; the GGUF file's name for
+    llama.cpp), not its path: a trace folder committed on one machine resumes on another whose
+    cache lives elsewhere."""
+    if _is_llama_cpp(lm):
+        return lm.path.name
     return Path(str(getattr(lm.model.config, "_name_or_path", "") or default)).name
 
 
+def _is_llama_cpp(lm) -> bool:
+    return hasattr(lm, "continue_branches")
+
+
 def _dtype_name(lm: CausalLM) -> str:
+    """torch weights dtype, or ``gguf`` for llama.cpp (the file's own quantisation)."""
+    if _is_llama_cpp(lm):
+        return "gguf"
     return str(lm.model.dtype).removeprefix("torch.")
+
+
+def target_features(logits: torch.Tensor, draft: Sequence[int], a: int) -> dict:
+    """What the target's own pass says about the mismatch at draft position ``a`` (logits [K+1, V]).
+
+    p_draft / p_target: the target's probability of the draft token and of its own token;
+    entropy: of the target's distribution (nats); topk: its FLY_TOP_K largest probabilities;
+    agree_after: how many draft tokens after ``a`` equal the target's argmax given the draft so far
+    (the next tokens a lenient rule would keep; FLy's deferred window); left: draft tokens after ``a``.
+    """
+    row = torch.softmax(logits[a].float(), dim=-1)
+    ent = float(-(row * torch.log(row.clamp_min(1e-30))).sum())
+    top = torch.topk(row, FLY_TOP_K).values
+    agree = 0
+    for j in range(a + 1, len(draft)):
+        if int(logits[j].argmax()) != int(draft[j]):
+            break
+        agree += 1
+    return {"p_draft": round(float(row[int(draft[a])]), 6), "p_target": round(float(top[0]), 6),
+            "entropy": round(ent, 5), "topk": [round(float(v), 6) for v in top],
+            "agree_after": agree, "left": len(draft) - a - 1}
+
+
+class _TracingVerifier(Verifier):
+    """A greedy verifier that keeps the logits of its last target pass (for ``target_features``)."""
+
+    last_logits: torch.Tensor | None = None
+
+    def target_pass(self, block: DraftBlock):
+        tp = super().target_pass(block)
+        self.last_logits = tp.logits
+        return tp
 
 
 def collect_traces(
@@ -157,13 +201,15 @@ def collect_traces(
             a = verdict.accepted
             if a < len(block.token_ids):  # the round ended at a mismatch: record it
                 records.append({"round_id": round_id, "position": n_before + a, "block_index": a,
-                                "draft_id": int(block.token_ids[a]), "target_id": int(verdict.correction_id)})
+                                "draft_id": int(block.token_ids[a]), "target_id": int(verdict.correction_id),
+                                **target_features(v.last_logits, block.token_ids, a)})
                 hd.append(np.asarray(block.hidden[a]))
                 ht.append(verdict.target_hidden[a].numpy())
             round_id += 1
 
         d = Drafter(drafter, target_tokenizer=target.tokenizer)
-        gen = generate(d, Verifier(target), prompt, max_new_tokens, k, on_round=on_round, stop_text=answer_complete)
+        v = _TracingVerifier(target)
+        gen = generate(d, v, prompt, max_new_tokens, k, on_round=on_round, stop_text=answer_complete)
         prompt_ids = encode_prompt(target.tokenizer, prompt)
         # An answer cut off by max_new_tokens has no final number to compare with (see load_traces).
         answer = None if len(gen.token_ids) >= max_new_tokens else extract_final_number(gen.text)
@@ -339,6 +385,29 @@ def _continue_shared(target: CausalLM, prefix: list[int], branches: list[tuple[i
         yield members, [conts[i] for i in members]
 
 
+def _continue_llama(target, problem: dict, records: list[dict], branches: list[tuple[int, int]],
+                    max_new_tokens: int, batch_size: int, rejoin: int, rejoined: dict[int, int]):
+    """``LlamaCppLM.continue_branches`` for the mismatches of one answer, with the answer stop and
+    the optional rejoin stop (fills ``rejoined``, keyed by the branch index)."""
+    tok = target.tokenizer
+    gen = problem["generated_ids"]
+    grams: list[set] = []
+    if rejoin > 0:
+        for r in records:
+            after = gen[r["position"] + 1:]
+            grams.append({tuple(after[i:i + rejoin]) for i in range(len(after) - rejoin + 1)})
+
+    def stop(i: int, cont: list[int]) -> bool:
+        if rejoin > 0 and len(cont) >= rejoin and tuple(cont[-rejoin:]) in grams[i]:
+            rejoined[i] = len(cont)
+            return True
+        return answer_complete(tok.decode(cont[-48:], skip_special_tokens=True))
+
+    for members, conts in target.continue_branches(problem["prompt_ids"] + gen, branches, max_new_tokens, stop,
+                                                   batch_size):
+        yield members, conts
+
+
 def label_mismatches(
     target: CausalLM,
     folder: Path,
@@ -347,8 +416,15 @@ def label_mismatches(
     limit: int | None = None,
     progress: Callable | None = None,
     shard: tuple[int, int] = (0, 1),
+    rejoin: int = 0,
 ) -> dict:
     """Label the unlabelled mismatches of a trace folder; appends to labels.jsonl (resumable).
+
+    ``rejoin`` (llama.cpp targets; 0 = off): stop a continuation as soon as its last ``rejoin``
+    tokens occur in the target's own answer after the branch point, and give it that answer's
+    label (not critical): the substitution has been absorbed and the text runs on as before. The
+    label line records ``rejoined`` (tokens until then). An approximation, measured against full
+    continuations in docs/wisv.md.
 
     ``shard=(i, n)`` labels only the problems whose index in problems.jsonl is i modulo n, so that
     n processes (one per core) can label one folder side by side.
@@ -384,6 +460,7 @@ def label_mismatches(
         p = tr.problems[r["problem_id"]]
         return p["prompt_ids"] + p["generated_ids"][: r["position"]] + [r["draft_id"]]
 
+    rejoined: dict[int, int] = {}  # record index -> continuation length where it rejoined the answer
     # One shared prefill per answer (see _continue_shared), unless a sliding window forbids it.
     by_problem: dict[str, list[int]] = {}
     for i in todo:
@@ -396,7 +473,10 @@ def label_mismatches(
             p = tr.problems[pid]
             prefix = p["prompt_ids"] + p["generated_ids"]
             branches = [(len(p["prompt_ids"]) + tr.records[i]["position"], tr.records[i]["draft_id"]) for i in rows]
-            if _shared_prefix_ok(target, len(prefix) + max_new_tokens):
+            if _is_llama_cpp(target):
+                runs = _continue_llama(target, p, [tr.records[i] for i in rows], branches, max_new_tokens,
+                                       batch_size, rejoin, rejoined)
+            elif _shared_prefix_ok(target, len(prefix) + max_new_tokens):
                 runs = _continue_shared(target, prefix, branches, max_new_tokens, answer_complete, batch_size)
             else:
                 runs = ((chunk, _continue_batch(target, [context(rows[j]) for j in chunk], max_new_tokens, answer_complete))
@@ -407,11 +487,16 @@ def label_mismatches(
                     r = tr.records[rows[j]]
                     answer_ids = p["generated_ids"][: r["position"]] + [r["draft_id"]] + cont
                     text = target.tokenizer.decode(answer_ids, skip_special_tokens=True)
-                    cut_off = len(cont) >= max_new_tokens and not answer_complete(text)
-                    answer = None if cut_off else extract_final_number(text)
+                    line = {"uid": r["uid"]}
+                    if j in rejoined:  # back on the target's own answer: that answer
+                        answer = p["answer"]
+                        line["rejoined"] = rejoined.pop(j)
+                    else:
+                        cut_off = len(cont) >= max_new_tokens and not answer_complete(text)
+                        answer = None if cut_off else extract_final_number(text)
                     label = int(answer != p["answer"])
                     crit += label
-                    f.write(json.dumps({"uid": r["uid"], "label": label, "answer": answer, "new_tokens": len(cont)}) + "\n")
+                    f.write(json.dumps({**line, "label": label, "answer": answer, "new_tokens": len(cont)}) + "\n")
                 f.flush()
                 n += len(chunk)
                 if bar is not None:
@@ -421,6 +506,39 @@ def label_mismatches(
         bar.close()
     dt = time.perf_counter() - t0
     return {"labelled": n, "critical": crit, "seconds": round(dt, 1), "labels_per_hour": round(n / dt * 3600) if dt > 0 else 0}
+
+
+FLY_ENTROPIES = (0.0, 0.2, 0.4, 0.6, 0.8)
+FLY_WINDOWS = (1, 2, 4, 6)
+
+
+def fly_points(tr: Traces, entropies: Sequence[float] = FLY_ENTROPIES,
+               windows: Sequence[int] = FLY_WINDOWS) -> list[dict]:
+    """What the FLy-style rule (``acceptance.fly_accept``) would accept of the labelled mismatches of
+    ``tr``, per (entropy_min, window): the share of mismatches accepted, of critical ones, and of
+    answers where it accepts at least one critical mismatch -- the columns of ``train_head --cv``'s
+    tau curve, so that the head and the baseline compare at equal accuracy risk. Needs the target
+    features of ``target_features`` (traces collected since they are recorded)."""
+    rows_ok = [i for i, lab in enumerate(tr.labels) if lab >= 0]
+    recs = [tr.records[i] for i in rows_ok]
+    if recs and "topk" not in recs[0]:
+        raise ValueError("these traces have no target features (topk, agree_after): collect them again")
+    y = np.array([tr.labels[i] == 1 for i in rows_ok])
+    top = np.array([r["topk"] for r in recs], dtype=np.float64).reshape(len(recs), -1)
+    q = top / np.clip(top.sum(axis=1, keepdims=True), 1e-30, None)
+    ent = -(q * np.log(np.clip(q, 1e-30, None))).sum(axis=1) / np.log(max(q.shape[1], 2))
+    agree = np.array([r["agree_after"] for r in recs])
+    left = np.array([r["left"] for r in recs])
+    pids = np.array([r["problem_id"] for r in recs])
+    out = []
+    for w in windows:
+        for e in entropies:
+            acc = (ent >= e) & (agree >= w) & (left >= w)
+            out.append({"fly_entropy": e, "fly_window": w, "accepted": float(acc.mean()) if len(acc) else 0.0,
+                        "critical_accepted": float(acc[y].mean()) if y.any() else None,
+                        "problems_hit": float(np.mean([bool((acc & y)[pids == pid].any()) for pid in set(pids)]))
+                        if len(pids) else 0.0})
+    return out
 
 
 def bench_labelling(target: CausalLM, folder: Path, n_branches: int = 8, batch_size: int = 8,
