@@ -373,3 +373,21 @@ def test_compute_time():
         compute_time_s(1e9, 0.0, 0.5)
     with pytest.raises(ValueError, match="d_model"):
         ModelShape(n_layers=1, d_model=0, d_ff=1, vocab=1)
+
+
+def test_tau_schedule_parses_names_errors_and_picks_the_nearest_scenario():
+    from wisv_ros.link.channel import SCENARIOS, ChannelState, TauSchedule
+
+    s = TauSchedule.parse("20mbps_5ms:0.05, 20mbps_50ms:0.1,500mbps_5ms:0.02,500mbps_50ms:0.08")
+    for name, state in SCENARIOS.items():
+        assert s.nearest(state) == name
+    assert s.tau_for(ChannelState(rate_bps=15e6, per=0.02, rtt_s=0.07)) == 0.1  # a bad link: 20 Mbit/s / 50 ms
+    assert s.tau_for(ChannelState(rate_bps=900e6, per=0.0, rtt_s=0.002)) == 0.02
+    assert str(TauSchedule.parse(str(s))) == str(s)
+    only = TauSchedule.parse("500mbps_5ms:0.3")
+    assert only.tau_for(ChannelState(rate_bps=1e6, per=0.2, rtt_s=0.3)) == 0.3  # one entry holds everywhere
+    for text, err in [("", "no scenario"), ("5g:0.1", "unknown channel scenario '5g'"), ("20mbps_5ms", "not <scenario>:<tau>"),
+                      ("20mbps_5ms:x", "not a number"), ("20mbps_5ms:-1", "finite number >= 0"),
+                      ("20mbps_5ms:nan", "finite number >= 0"), ("20mbps_5ms:1,20mbps_5ms:2", "given twice")]:
+        with pytest.raises(ValueError, match=err):
+            TauSchedule.parse(text)

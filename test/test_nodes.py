@@ -793,6 +793,16 @@ def test_copy_probe_without_a_probe_file_is_refused(tmp_path):
         node.stop()
 
 
+def test_a_bad_tau_per_channel_is_refused_by_name(tmp_path):
+    node = NodeProcess("verifier_node", "/nodes_tau_bad", tmp_path, target_model=TARGET, tau_per_channel="5g:0.1")
+    try:
+        node.proc.wait(START_TIMEOUT)
+        assert node.proc.returncode != 0
+        assert "tau_per_channel: unknown channel scenario '5g'" in node.log.read_text()
+    finally:
+        node.stop()
+
+
 def test_adaptive_protocol_follows_the_channel_state(pair, ros):
     """Protocol adaptive (method wisv) picks SH on a slow, short link and FH on a fast, long one,
     from the latest channel_state and the running mean of mismatches (link.choose_protocol)."""

@@ -275,6 +275,46 @@ def test_two_phase_verification_asks_for_the_mismatch_hiddens(target, drafter_lm
     assert reply2.accepted == rnd2.hidden_positions[0]
 
 
+def test_tau_per_channel_replaces_the_blocks_tau_under_wisv(target, drafter_lm):
+    """With a tau schedule the edge judges every wisv block with the tau of the channel of the
+    moment, whatever tau the block asked for; greedy blocks are untouched; the round log records
+    the tau used."""
+    from wisv_ros.link.channel import SCENARIOS, ChannelState, TauSchedule
+    from wisv_ros.sd.roundlog import RoundRecord
+
+    schedule = TauSchedule.parse("20mbps_50ms:0.6, 500mbps_5ms:0")
+    now = {"channel": SCENARIOS["500mbps_5ms"]}
+    logged: list[RoundRecord] = []
+    edge = EdgeSessions(target, method=Method.WISV, judge=lambda h, s, t: torch.full((len(s),), 0.5),
+                        channel_tau=lambda: schedule.tau_for(now["channel"]), round_log=logged.append)
+    d = Drafter(drafter_lm)
+    d.begin(PROMPT, len(PROMPT))
+    block = d.draft(8)
+    assert mismatch_positions_of(target, block)  # the block has a mismatch to judge
+
+    def ask(rid, method, tau):
+        return edge.handle(BlockRequest(rid, 0, len(PROMPT), block.token_ids, k=8, protocol="fh", method=method,
+                                        tau=tau, context_ids=list(PROMPT), hidden=block.hidden))
+
+    good = ask("a", "wisv", 0.9)  # good channel: tau 0, the block's 0.9 is not used: greedy
+    first = mismatch_positions_of(target, block)[0]
+    assert good.accepted == first and logged[-1].tau == 0.0
+    now["channel"] = ChannelState(rate_bps=18e6, per=0.01, rtt_s=0.06)
+    bad = ask("b", "wisv", 0.0)  # near 20 Mbit/s / 50 ms: tau 0.6 > 0.5, every mismatch accepted
+    assert bad.accepted == len(block.token_ids) and logged[-1].tau == 0.6
+    plain = ask("c", "greedy", 0.0)
+    assert plain.accepted == first
+
+
+def mismatch_positions_of(target, block):
+    from wisv_ros.sd.acceptance import mismatch_positions
+
+    target.reset()
+    logits = target.feed(list(PROMPT) + list(block.token_ids), n_logits=len(block.token_ids) + 1).logits
+    target.reset()
+    return mismatch_positions(block.token_ids, logits)
+
+
 @pytest.mark.parametrize("field,value,text", [
     ("tau", math.inf, "tau must be in [0, 10]"), ("tau", math.nan, "tau must be in [0, 10]"), ("tau", 11.0, "tau must be"),
     ("temperature", math.nan, "temperature must be in [0, 10]"), ("temperature", math.inf, "temperature must be"),

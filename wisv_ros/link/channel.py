@@ -45,6 +45,7 @@ __all__ = [
     "CHANNEL_FEATURES",
     "ChannelState",
     "SCENARIOS",
+    "TauSchedule",
     "scenario",
     "ChannelTrace",
     "WireFormat",
@@ -662,3 +663,62 @@ def compute_time_s(flops: float, peak_flops: float, efficiency: float) -> float:
     if not 0.0 < efficiency <= 1.0:
         raise ValueError(f"efficiency must be in (0, 1], got {efficiency!r}")
     return flops / (efficiency * peak_flops)
+
+
+# --------------------------------------------------------------------------- tau per channel
+
+
+class TauSchedule:
+    """WISV's threshold chosen by the channel: one τ per named scenario, applied to a measured
+    channel state by the nearest scenario in the head's own channel features (``features()``).
+
+    The τ of each scenario is chosen on held-out problems for an accuracy budget
+    (``python -m wisv_ros.cli.select_tau --channel <scenario>``, docs/wisv.md); between the four
+    the nearest one's τ holds. Text form (the verifier's ``tau_per_channel`` parameter):
+    ``"20mbps_5ms:0.02,20mbps_50ms:0.1,500mbps_5ms:0.02,500mbps_50ms:0.05"``.
+
+    Raises ValueError naming the entry for an unknown scenario, a τ that is not a finite number
+    >= 0, a scenario given twice, or an empty schedule.
+    """
+
+    def __init__(self, taus: dict[str, float]):
+        if not taus:
+            raise ValueError("tau_per_channel: no scenario given (e.g. '20mbps_50ms:0.1,500mbps_5ms:0.02')")
+        for name, tau in taus.items():
+            if name not in SCENARIOS:
+                raise ValueError(f"tau_per_channel: unknown channel scenario {name!r}; valid names: {', '.join(sorted(SCENARIOS))}")
+            if not (isinstance(tau, (int, float)) and math.isfinite(tau) and tau >= 0):
+                raise ValueError(f"tau_per_channel: tau of {name} must be a finite number >= 0, got {tau!r}")
+        self.taus = {name: float(tau) for name, tau in taus.items()}
+        self._names = list(self.taus)
+        self._points = np.stack([SCENARIOS[n].features() for n in self._names]).astype(np.float64)
+
+    @classmethod
+    def parse(cls, text: str) -> "TauSchedule":
+        """From ``"<scenario>:<tau>,<scenario>:<tau>,..."``."""
+        taus: dict[str, float] = {}
+        for item in (t.strip() for t in text.split(",")):
+            if not item:
+                continue
+            name, sep, value = item.partition(":")
+            name = name.strip()
+            if not sep:
+                raise ValueError(f"tau_per_channel: entry {item!r} is not <scenario>:<tau>")
+            if name in taus:
+                raise ValueError(f"tau_per_channel: scenario {name} given twice")
+            try:
+                taus[name] = float(value)
+            except ValueError:
+                raise ValueError(f"tau_per_channel: tau of {name} is not a number: {value.strip()!r}") from None
+        return cls(taus)
+
+    def nearest(self, state: ChannelState) -> str:
+        """The scenario of the schedule nearest to ``state`` (in the head's channel features)."""
+        d = np.linalg.norm(self._points - state.features().astype(np.float64), axis=1)
+        return self._names[int(np.argmin(d))]
+
+    def tau_for(self, state: ChannelState) -> float:
+        return self.taus[self.nearest(state)]
+
+    def __str__(self) -> str:
+        return ",".join(f"{n}:{t:g}" for n, t in self.taus.items())

@@ -69,6 +69,9 @@ class VerifierNode(ServingNode):
         declare(self, "hidden_request_timeout_s", 2.0, "SH: wait this long for the drafter's hidden states (s)", lo=0.001, hi=600.0)
         declare(self, "channel_deadline_s", 1.0, "channel_state must arrive at least this often, else a warning is logged (s; 0 = no deadline)", lo=0.0, hi=3600.0)
         declare(self, "head_path", "", "WISV decision head (.onnx with its .json sidecar); '' = none: wisv behaves as greedy")
+        declare(self, "tau_per_channel", "", "WISV: tau per channel, '<scenario>:<tau>,...' (e.g. '20mbps_50ms:0.1,"
+                "500mbps_5ms:0.02'); the scenario nearest the measured channel_state gives the tau of every wisv block, "
+                "in place of the robot's; '' = the robot's tau")
         declare(self, "fly_entropy", 0.6, "method fly: accept a mismatch only where the target's normalised top-8 entropy is "
                 "at least this (0 = always, > 1 = never: greedy)", lo=0.0, hi=2.0)
         declare(self, "fly_window", 6, "method fly: the draft tokens after an accepted mismatch that must all match the "
@@ -99,11 +102,16 @@ class VerifierNode(ServingNode):
                               ("method", METHODS), ("backend", BACKENDS)):
             if self._param(name) not in choices:
                 raise ValueError(f"parameter {name}: '{self._param(name)}' is not one of {', '.join(choices)}")
+        self._tau_schedule = None
+        if self._param("tau_per_channel"):
+            from wisv_ros.link.channel import TauSchedule
+
+            self._tau_schedule = TauSchedule.parse(self._param("tau_per_channel"))  # ValueError names the parameter
         if self._param("copy") == "probe" and not self._param("probe_path"):
             raise ValueError("parameter probe_path: copy=probe needs a probe file (.npz); set probe_path or use copy:=ngram")
         self.add_on_set_parameters_callback(frozen_after_start(
             {"target_model", "target_dtype", "threads", "channel_deadline_s", "head_path", "copy", "probe_path", "backend",
-             "max_context", "max_block"},
+             "max_context", "max_block", "tau_per_channel"},
             {"method": METHODS, "default_channel": tuple(SCENARIOS)},
         ))
 
@@ -188,7 +196,9 @@ class VerifierNode(ServingNode):
             self._edge = EdgeSessions(lm, method=Method(self._param("method")), judge=judge, copy=copy,
                                       seed=int(self._param("seed")), max_requests=int(self._param("max_requests")),
                                       copy_max_rounds=int(self._param("copy_max_rounds")), round_log=self._round_log,
-                                      max_context=int(self._param("max_context")), max_block=int(self._param("max_block")))
+                                      max_context=int(self._param("max_context")), max_block=int(self._param("max_block")),
+                                      channel_tau=(None if self._tau_schedule is None else
+                                                   lambda: self._tau_schedule.tau_for(self._channel_state())))
             self.get_logger().info(f"target {spec} ({backend}, {dtype}) loaded and warmed up in {time.perf_counter() - t0:.1f} s"
                                    + head_note)
             return True

@@ -203,18 +203,22 @@ class EdgeSessions:
             reply projected by another head is refused (``HeadMismatch``, the error names
             ``head_id``).
         fly_entropy, fly_window: method fly's entropy gate and deferred window (``acceptance.fly_accept``).
+        channel_tau: τ per channel (``link.channel.TauSchedule``): called for every wisv block, its
+            value replaces the block's own ``tau`` (None: the block's tau holds).
     """
 
     def __init__(self, lm: CausalLM, *, method: Method = Method.GREEDY, judge: Judge | None = None,
                  copy: CopyConfig | None = None, seed: int = 0, max_requests: int = 16, copy_max_rounds: int = 32,
                  verifier_for: Callable[[], Verifier] | None = None,
                  round_log: Callable[[RoundRecord], None] | None = None,
-                 max_context: int = 8192, max_block: int = 256, head_id: str | None = None, fly_entropy: float = 0.6, fly_window: int = 6):
+                 max_context: int = 8192, max_block: int = 256, head_id: str | None = None, fly_entropy: float = 0.6, fly_window: int = 6,
+                 channel_tau: Callable[[], float] | None = None):
         if max_context < 2 or max_block < 1:
             raise ValueError(f"max_context must be >= 2 and max_block >= 1 (got {max_context}, {max_block})")
         self.max_context = max_context
         self.max_block = max_block
         self.fly_entropy, self.fly_window = fly_entropy, fly_window
+        self.channel_tau = channel_tau
         self.lm = lm
         self.round_log = round_log
         self.verifier_for = verifier_for
@@ -267,7 +271,13 @@ class EdgeSessions:
         # From here the round is taken: its reply (or error) is kept for resends.
         session.last_round, session.last_key, session.last_reply = req.round_id, req.key(), None
         v = session.verifier
-        v.method, v.tau, v.copy = method, float(req.tau), self.copy
+        tau = float(req.tau)
+        if method == Method.WISV and self.channel_tau is not None:
+            try:
+                tau = float(self.channel_tau())
+            except Exception as exc:  # noqa: BLE001 - a block never takes the edge down
+                return self._remember(session, self._error(req, exc))
+        v.method, v.tau, v.copy = method, tau, self.copy
         v.fly_entropy, v.fly_window = self.fly_entropy, self.fly_window
         if method == Method.REJECT:
             v.temperature = float(req.temperature)
@@ -306,7 +316,7 @@ class EdgeSessions:
         hidden = req.hidden if req.hidden is not None else drafter_hidden
         hidden_dim = int(hidden.shape[-1]) if hidden is not None and hidden.ndim == 2 else 0
         method = v.method.value
-        common = dict(request_id=req.request_id, round_id=req.round_id, method=method, k=req.k, tau=req.tau,
+        common = dict(request_id=req.request_id, round_id=req.round_id, method=method, k=req.k, tau=v.tau,
                       hidden_dim=hidden_dim)
         prefix = req.prefix_length
         head = [m for m in verdict.mismatches if m < verdict.accepted] if v.method == Method.WISV else []
