@@ -5,8 +5,6 @@
 # Environment: WISV_TRACES (trace folder, default data/traces/qwen in the checkout, so that labels
 # paid for in CPU hours can be committed), WISV_PROBLEMS (gsm_symbolic problems, default 400),
 # WISV_THREADS (processes side by side for labelling and tau selection, default 2, one thread each),
-# WISV_REJOIN (labelling: stop a continuation that runs back into the answer for this many tokens,
-# default 12; 0 = every continuation to its final answer; docs/wisv.md measures the difference),
 # WISV_ROUND_S (compute time of one round that the CSI relabeling prices a repair against, default 0.1 s:
 # a robot-class drafter and a GPU edge; on this CPU a round takes about 0.2 s and the link matters less).
 # Traces and labels run on llama.cpp (the GGUF files, several times faster than torch on a CPU; labels
@@ -20,7 +18,6 @@ source "$ROOT/tools/env.sh"
 cd "$ROOT"
 TRACES="${WISV_TRACES:-data/traces/qwen}"  # relative: the sidecars record the command
 PROBLEMS="${WISV_PROBLEMS:-400}"
-REJOIN="${WISV_REJOIN:-12}"
 THREADS="${WISV_THREADS:-2}"
 ROUND_S="${WISV_ROUND_S:-0.1}"
 HEADS=config/heads
@@ -33,7 +30,7 @@ for stage in "${stages[@]}"; do
               --target-backend llama_cpp --drafter-backend llama_cpp ;;
     labels) pids=()
             for ((i = 0; i < THREADS; i++)); do
-              python -m wisv_ros.cli.traces label --out "$TRACES" --batch-size 8 --threads 1 --rejoin "$REJOIN" \
+              python -m wisv_ros.cli.traces label --out "$TRACES" --batch-size 8 --threads 1 \
                 --target-backend llama_cpp --shard "$i/$THREADS" & pids+=($!)
             done
             for pid in "${pids[@]}"; do wait "$pid"; done

@@ -42,10 +42,6 @@ def main(argv: list[str] | None = None) -> int:
     lab.add_argument("--max-new-tokens", type=int, default=None,
                      help="continuation length limit; reaching it without a final answer counts as critical "
                           "(default: the traces' own answer budget)")
-    lab.add_argument("--rejoin", type=int, default=0,
-                     help="llama.cpp target: stop a continuation once its last N tokens occur in the target's own answer "
-                          "after the branch point, and label it not critical (0 = always continue to the final answer; "
-                          "default %(default)s)")
     lab.add_argument("--shard", default="0/1", help="I/N: label only problems I, I+N, I+2N, ... (run N processes side by side; default %(default)s)")
     ben = sub.add_parser("bench-label", help="time shared-prefix labelling against per-context prefills")
     ben.add_argument("--out", required=True, help="trace folder (collected)")
@@ -109,8 +105,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.batch_size < 1:
         p.error(f"--batch-size must be >= 1 (got {args.batch_size})")
-    if args.rejoin < 0:
-        p.error(f"--rejoin must be >= 0 (got {args.rejoin})")
     shard = parse_shard(p, args.shard)
     if resolve_backend(args.target, args.target_backend) == "llama_cpp":
         # One cache sequence per continuation of a batch, cells for all of them beside the answer.
@@ -120,11 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         target = LlamaCppLM.from_gguf(args.target, n_ctx=2048 + args.batch_size * budget,
                                       threads=max(1, args.threads), n_seq_max=args.batch_size + 1)
     else:
-        if args.rejoin:
-            p.error("--rejoin needs --target-backend llama_cpp")
         target, _ = load_pair(args, need_drafter=False)
     res = label_mismatches(target, Path(args.out), batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                           limit=args.limit, shard=shard, rejoin=args.rejoin, progress=lambda total: tqdm(total=total, desc="labels", unit="label", file=sys.stderr))
+                           limit=args.limit, shard=shard, progress=lambda total: tqdm(total=total, desc="labels", unit="label", file=sys.stderr))
     print(f"labelled {res['labelled']} ({res['critical']} critical) in {res['seconds']} s: {res['labels_per_hour']} labels/hour")
     return 0
 

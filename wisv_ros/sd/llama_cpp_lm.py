@@ -5,7 +5,11 @@
 llama-cpp-python), so the drafter or the target can run quantised at llama.cpp's speed while the
 rest of the project stays unchanged. How each piece maps onto llama.cpp:
 
-* one sequence (seq 0) holds the committed tokens; ``rollback(n)`` is ``llama_memory_seq_rm(0, n, -1)``;
+* one sequence holds the committed tokens; ``rollback(n)`` is ``llama_memory_seq_rm(seq, n, -1)``.
+  With ``n_sessions`` > 1 each session (e.g. each robot's request on the edge) keeps its own
+  sequence, chosen by ``use(session)``: switching between sessions costs nothing, where one shared
+  sequence would roll back and prefill the other session's context again. The sessions share the
+  ``n_ctx`` cells of the (unified) cache;
 * hidden states: the context runs with ``embeddings`` on and pooling NONE, so every fed token is an
   output and ``llama_get_embeddings_ith`` is the final-norm hidden state the logits come from;
 * captured layers: an eval callback copies the graph nodes ``l_out-<layer>`` (``post_mlp``, the
@@ -94,7 +98,10 @@ class LlamaCppLM(CacheSync):
         n_ctx: KV cache cells, shared by the committed sequence and the copy candidates.
         threads: CPU threads for one-token and batch decoding.
         capture: decoder layers to capture, as (layer index, kind) with kind in LAYER_KINDS.
-        n_seq_max: sequences of the cache; ``feed_candidates`` takes up to ``n_seq_max - 1`` candidates.
+        n_seq_max: sequences of the cache; ``feed_candidates`` takes up to ``n_seq_max - n_sessions``
+            candidates.
+        n_sessions: sequences kept for separate contexts (``use``); the first ``n_sessions`` of
+            ``n_seq_max``.
         n_batch: tokens per ``llama_decode``; longer feeds run as several decodes (each fed token is
             an output, so this also bounds the logits buffer: n_batch x vocab floats).
         tokenizer: a tokenizer to use instead of reading it from the GGUF file (None: no tokenizer).
@@ -109,7 +116,7 @@ class LlamaCppLM(CacheSync):
 
     def __init__(self, path: str | Path, *, n_ctx: int = 4096, threads: int = 1,
                  capture: Sequence[tuple[int, str]] = (), n_seq_max: int = 9, n_batch: int = 512,
-                 tokenizer=_AUTO, extra_bufts: bool = True, gpu_layers: int = 0):
+                 tokenizer=_AUTO, extra_bufts: bool = True, gpu_layers: int = 0, n_sessions: int = 1):
         L, _ = _backend()
         self._L = L
         self._model = None
@@ -120,11 +127,15 @@ class LlamaCppLM(CacheSync):
             raise FileNotFoundError(f"GGUF file {path} does not exist")
         if n_seq_max < 1 or n_ctx < 1 or n_batch < 1 or threads < 1:
             raise ValueError(f"n_ctx, threads, n_seq_max and n_batch must be >= 1 (got {n_ctx}, {threads}, {n_seq_max}, {n_batch})")
+        if not 1 <= n_sessions <= n_seq_max:
+            raise ValueError(f"n_sessions must be in [1, n_seq_max={n_seq_max}] (got {n_sessions})")
         self.path = path
         self.n_ctx = int(n_ctx)
         self.n_seq_max = int(n_seq_max)
         self.n_batch = int(min(n_batch, n_ctx))
-        self.cached: list[int] = []  # token ids in seq 0 of the cache, in order
+        self.n_sessions = int(n_sessions)
+        self._seq = 0  # the session sequence in use
+        self._cached: list[list[int]] = [[] for _ in range(self.n_sessions)]  # token ids per session, in order
         self.forward_passes = 0
         self.capture = tuple((int(layer), str(kind)) for layer, kind in capture)
         for _, kind in self.capture:
@@ -234,10 +245,42 @@ class LlamaCppLM(CacheSync):
         return ids
 
     # ------------------------------------------------------------------ cache
+    @property
+    def cached(self) -> list[int]:
+        """Token ids in the session sequence in use, in order."""
+        return self._cached[self._seq]
+
+    @cached.setter
+    def cached(self, ids: list[int]) -> None:
+        self._cached[self._seq] = ids
+
+    @property
+    def session(self) -> int:
+        """The session sequence in use (``use``)."""
+        return self._seq
+
+    def use(self, session: int) -> None:
+        """Make ``session`` (0 .. n_sessions - 1) the sequence that ``feed``, ``rollback``, ``sync``,
+        ``feed_candidates`` and ``continue_branches`` work on; the others keep their cells."""
+        if not 0 <= session < self.n_sessions:
+            raise ValueError(f"session {session} outside [0, {self.n_sessions - 1}] (n_sessions {self.n_sessions})")
+        self._seq = int(session)
+
+    def drop(self, session: int) -> None:
+        """Forget one session's context (its cells return to the cache)."""
+        if not 0 <= session < self.n_sessions:
+            raise ValueError(f"session {session} outside [0, {self.n_sessions - 1}] (n_sessions {self.n_sessions})")
+        self._L.llama_memory_seq_rm(self._mem, session, -1, -1)
+        self._cached[session] = []
+
+    def cells_used(self) -> int:
+        """Cache cells the session contexts hold (each session's tokens; shared cells counted once per session)."""
+        return sum(len(c) for c in self._cached)
+
     def reset(self) -> None:
-        """Forget everything (empty cache)."""
+        """Forget everything (empty cache, every session)."""
         self._L.llama_memory_clear(self._mem, True)
-        self.cached = []
+        self._cached = [[] for _ in range(self.n_sessions)]
 
     def rollback(self, n_keep: int) -> None:
         """Keep the first ``n_keep`` cached tokens and forget the rest."""
@@ -245,8 +288,8 @@ class LlamaCppLM(CacheSync):
             raise ValueError(f"rollback(n_keep={n_keep}) outside [0, {len(self.cached)}]")
         if n_keep == len(self.cached):
             return
-        if not self._L.llama_memory_seq_rm(self._mem, 0, n_keep, -1):
-            raise RuntimeError(f"llama_memory_seq_rm(0, {n_keep}, -1) failed")
+        if not self._L.llama_memory_seq_rm(self._mem, self._seq, n_keep, -1):
+            raise RuntimeError(f"llama_memory_seq_rm({self._seq}, {n_keep}, -1) failed")
         del self.cached[n_keep:]
 
     def _on_eval(self, tensor, ask, _user_data) -> bool:
@@ -314,7 +357,7 @@ class LlamaCppLM(CacheSync):
         return layers
 
     def feed(self, ids: Sequence[int], n_logits: int = 1, attention_mask=None, position_ids=None) -> Step:
-        """Append ``ids`` to the cache (seq 0); see ``CausalLM.feed``.
+        """Append ``ids`` to the session sequence in use; see ``CausalLM.feed``.
 
         Returns logits [n_logits, V] for the last ``n_logits`` positions and the final-norm hidden
         state of every fed position. Feeds longer than ``n_batch`` run as several decodes. Custom
@@ -326,8 +369,9 @@ class LlamaCppLM(CacheSync):
             raise ValueError("feed() needs at least one token id")
         ids = self._check_ids(ids)
         n = len(ids)
-        if len(self.cached) + n > self.n_ctx:
-            raise ValueError(f"feeding {n} tokens after {len(self.cached)} would exceed n_ctx {self.n_ctx}")
+        if self.cells_used() + n > self.n_ctx:
+            raise ValueError(f"feeding {n} tokens after {len(self.cached)} (all sessions: {self.cells_used()}) "
+                             f"would exceed n_ctx {self.n_ctx}")
         n_logits = max(1, min(n_logits, n))
         first_logit = n - n_logits
         base = len(self.cached)
@@ -336,7 +380,7 @@ class LlamaCppLM(CacheSync):
         try:
             for start in range(0, n, self.n_batch):
                 chunk = ids[start:start + self.n_batch]
-                self._decode([(tok, base + start + i, (0,)) for i, tok in enumerate(chunk)])
+                self._decode([(tok, base + start + i, (self._seq,)) for i, tok in enumerate(chunk)])
                 self.cached.extend(chunk)
                 hidden.append(self._rows(self._L.llama_get_embeddings_ith, range(len(chunk)), self._d))
                 rows = [i for i in range(len(chunk)) if start + i >= first_logit]
@@ -345,7 +389,7 @@ class LlamaCppLM(CacheSync):
             layers = self._take_layers()
         except RuntimeError:
             # Leave the cache as it was before this feed.
-            self._L.llama_memory_seq_rm(self._mem, 0, base, -1)
+            self._L.llama_memory_seq_rm(self._mem, self._seq, base, -1)
             del self.cached[base:]
             self._chunks = {}
             raise
@@ -364,22 +408,24 @@ class LlamaCppLM(CacheSync):
         ``step.hidden`` and ``step.layers`` follow verify_tree's flat layout -- the ``n_pend``
         pending context tokens, then each candidate's tokens in order -- so row ``n_pend - 1``
         predicts every candidate's first token and row ``start + i`` the token after candidate
-        token i. Afterwards the cache holds exactly ``context`` (seq 0); the candidate sequences
+        token i. Afterwards the session in use holds exactly ``context``; the candidate sequences
         are gone.
         """
         L = self._L
         cands = [self._check_ids(c) for c in candidates]
         if not cands or any(not c for c in cands):
             raise ValueError("feed_candidates needs at least one candidate and no empty candidate")
-        if len(cands) > self.n_seq_max - 1:
-            raise ValueError(f"{len(cands)} candidates need n_seq_max >= {len(cands) + 1} (this model has {self.n_seq_max})")
+        if len(cands) > self.n_seq_max - self.n_sessions:
+            raise ValueError(f"{len(cands)} candidates need n_seq_max >= {len(cands) + self.n_sessions} "
+                             f"(this model has {self.n_seq_max}, {self.n_sessions} of them sessions)")
         context = self._check_ids(context)
         pending = self.sync(context)
         base = len(self.cached)
         n_pend = len(pending)
-        seqs = list(range(1, len(cands) + 1))
+        first = self.n_sessions  # candidate sequences follow the session sequences
+        seqs = list(range(first, first + len(cands)))
         # Batch entries: pending tokens in every sequence, then a trie of the candidates.
-        entries: list[tuple[int, int, list[int]]] = [(tok, base + i, [0] + seqs) for i, tok in enumerate(pending)]
+        entries: list[tuple[int, int, list[int]]] = [(tok, base + i, [self._seq] + seqs) for i, tok in enumerate(pending)]
         flat_rows = list(range(n_pend))
         trie: dict[tuple[int, ...], int] = {}  # candidate prefix -> batch row
         for c, cand in enumerate(cands):
@@ -389,15 +435,15 @@ class LlamaCppLM(CacheSync):
                 if row is None:
                     row = trie[key] = len(entries)
                     entries.append((cand[i], base + n_pend + i, []))
-                entries[row][2].append(c + 1)
+                entries[row][2].append(first + c)
                 flat_rows.append(row)
         if len(entries) > self.n_batch:
             raise ValueError(f"pending + candidate tokens ({len(entries)}) exceed n_batch {self.n_batch}")
-        if base + len(entries) > self.n_ctx:
+        if self.cells_used() + len(entries) > self.n_ctx:
             raise ValueError(f"{len(entries)} tokens after {base} cached would exceed n_ctx {self.n_ctx}")
         for s in seqs:
             L.llama_memory_seq_rm(self._mem, s, -1, -1)
-            L.llama_memory_seq_cp(self._mem, 0, s, -1, -1)  # unified cache: shares the prefix's cells
+            L.llama_memory_seq_cp(self._mem, self._seq, s, -1, -1)  # unified cache: shares the prefix's cells
         self._chunks = {}
         try:
             self._decode(entries)
@@ -405,7 +451,7 @@ class LlamaCppLM(CacheSync):
             hidden = self._rows(L.llama_get_embeddings_ith, flat_rows, self._d)
             layers = {k: v[flat_rows] for k, v in self._take_layers().items()}
         except RuntimeError:
-            L.llama_memory_seq_rm(self._mem, 0, base, -1)
+            L.llama_memory_seq_rm(self._mem, self._seq, base, -1)
             raise
         finally:
             self._chunks = {}
@@ -423,18 +469,19 @@ class LlamaCppLM(CacheSync):
         """Greedy continuations of ``prefix[:p] + [token]`` for every ``(p, token)`` in ``branches``,
         yielded batch by batch as ``(branch indices, their continuations)``.
 
-        One sequence of the cache (seq 0) holds the prefix; every branch of a batch gets its own
+        The session sequence in use holds the prefix; every branch of a batch gets its own
         sequence sharing the prefix's first ``p`` cells (``llama_memory_seq_cp``: no copy in a
         unified cache), and one ``llama_decode`` advances every branch of the batch by one token. A
         branch leaves the batch when ``stop(branch index, its new tokens)`` is true or it emits an end-of-sequence
         token, and its cells are freed. ``batch_size`` is at most ``n_seq_max - 1``; the cache needs
-        ``len(prefix) + batch_size * max_new_tokens`` cells. Afterwards seq 0 holds the prefix's
+        ``len(prefix) + batch_size * max_new_tokens`` cells. Afterwards the session holds the prefix's
         first ``max(p)`` tokens and the branch sequences are gone.
         """
         L = self._L
         prefix = self._check_ids(prefix)
-        if not 1 <= batch_size <= self.n_seq_max - 1:
-            raise ValueError(f"batch_size {batch_size} needs n_seq_max >= {batch_size + 1} (this model has {self.n_seq_max})")
+        if not 1 <= batch_size <= self.n_seq_max - self.n_sessions:
+            raise ValueError(f"batch_size {batch_size} needs n_seq_max >= {batch_size + self.n_sessions} "
+                             f"(this model has {self.n_seq_max}, {self.n_sessions} of them sessions)")
         for p, tok in branches:
             if not 1 <= p <= len(prefix):
                 raise ValueError(f"branch point {p} outside [1, {len(prefix)}]")
@@ -442,7 +489,7 @@ class LlamaCppLM(CacheSync):
         if not branches:
             return
         n_shared = max(p for p, _ in branches)
-        need = n_shared + min(batch_size, len(branches)) * max_new_tokens
+        need = n_shared + min(batch_size, len(branches)) * max_new_tokens + self.cells_used() - len(self.cached)
         if need > self.n_ctx:
             raise ValueError(f"{min(batch_size, len(branches))} branches of up to {max_new_tokens} tokens after "
                              f"{n_shared} shared need n_ctx >= {need} (this model has {self.n_ctx})")
@@ -453,11 +500,11 @@ class LlamaCppLM(CacheSync):
         order = sorted(range(len(branches)), key=lambda i: -branches[i][0])
         for start in range(0, len(order), batch_size):
             members = order[start:start + batch_size]
-            seq = {i: j + 1 for j, i in enumerate(members)}
+            seq = {i: self.n_sessions + j for j, i in enumerate(members)}
             conts: dict[int, list[int]] = {i: [] for i in members}
             for i in members:
                 L.llama_memory_seq_rm(self._mem, seq[i], -1, -1)
-                L.llama_memory_seq_cp(self._mem, 0, seq[i], 0, branches[i][0])
+                L.llama_memory_seq_cp(self._mem, self._seq, seq[i], 0, branches[i][0])
             active = list(members)
             nxt = {i: (branches[i][1], branches[i][0]) for i in members}  # token to feed, its position
             try:

@@ -385,27 +385,20 @@ def _continue_shared(target: CausalLM, prefix: list[int], branches: list[tuple[i
         yield members, [conts[i] for i in members]
 
 
-def _continue_llama(target, problem: dict, records: list[dict], branches: list[tuple[int, int]],
-                    max_new_tokens: int, batch_size: int, rejoin: int, rejoined: dict[int, int]):
-    """``LlamaCppLM.continue_branches`` for the mismatches of one answer, with the answer stop and
-    the optional rejoin stop (fills ``rejoined``, keyed by the branch index)."""
-    tok = target.tokenizer
-    gen = problem["generated_ids"]
-    grams: list[set] = []
-    if rejoin > 0:
-        for r in records:
-            after = gen[r["position"] + 1:]
-            grams.append({tuple(after[i:i + rejoin]) for i in range(len(after) - rejoin + 1)})
+def _continue_llama(target, problem: dict, branches: list[tuple[int, int]], max_new_tokens: int, batch_size: int):
+    """``LlamaCppLM.continue_branches`` for the mismatches of one answer, each to its final answer.
 
-    def stop(i: int, cont: list[int]) -> bool:
-        if rejoin > 0 and len(cont) >= rejoin and tuple(cont[-rejoin:]) in grams[i]:
-            rejoined[i] = len(cont)
-            return True
+    Every continuation runs to its final answer: a continuation that runs back into the target's
+    own text for a while can still end elsewhere (the substituted token stays in the context). A
+    stop at 12 tokens of such agreement ("rejoin") was measured and dropped: it called 8 of the 10
+    critical mismatches of 93 not critical (docs/wisv.md)."""
+    tok = target.tokenizer
+
+    def stop(_i: int, cont: list[int]) -> bool:
         return answer_complete(tok.decode(cont[-48:], skip_special_tokens=True))
 
-    for members, conts in target.continue_branches(problem["prompt_ids"] + gen, branches, max_new_tokens, stop,
-                                                   batch_size):
-        yield members, conts
+    yield from target.continue_branches(problem["prompt_ids"] + problem["generated_ids"], branches, max_new_tokens,
+                                        stop, batch_size)
 
 
 def label_mismatches(
@@ -416,15 +409,11 @@ def label_mismatches(
     limit: int | None = None,
     progress: Callable | None = None,
     shard: tuple[int, int] = (0, 1),
-    rejoin: int = 0,
 ) -> dict:
     """Label the unlabelled mismatches of a trace folder; appends to labels.jsonl (resumable).
 
-    ``rejoin`` (llama.cpp targets; 0 = off): stop a continuation as soon as its last ``rejoin``
-    tokens occur in the target's own answer after the branch point, and give it that answer's
-    label (not critical): the substitution has been absorbed and the text runs on as before. The
-    label line records ``rejoined`` (tokens until then). An approximation, measured against full
-    continuations in docs/wisv.md.
+    A llama.cpp target (``LlamaCppLM``) continues the branches of one answer in one batched decode
+    per token (``continue_branches``); torch targets slice one shared KV cache (``_continue_shared``).
 
     ``shard=(i, n)`` labels only the problems whose index in problems.jsonl is i modulo n, so that
     n processes (one per core) can label one folder side by side.
@@ -460,7 +449,6 @@ def label_mismatches(
         p = tr.problems[r["problem_id"]]
         return p["prompt_ids"] + p["generated_ids"][: r["position"]] + [r["draft_id"]]
 
-    rejoined: dict[int, int] = {}  # record index -> continuation length where it rejoined the answer
     # One shared prefill per answer (see _continue_shared), unless a sliding window forbids it.
     by_problem: dict[str, list[int]] = {}
     for i in todo:
@@ -474,8 +462,7 @@ def label_mismatches(
             prefix = p["prompt_ids"] + p["generated_ids"]
             branches = [(len(p["prompt_ids"]) + tr.records[i]["position"], tr.records[i]["draft_id"]) for i in rows]
             if _is_llama_cpp(target):
-                runs = _continue_llama(target, p, [tr.records[i] for i in rows], branches, max_new_tokens,
-                                       batch_size, rejoin, rejoined)
+                runs = _continue_llama(target, p, branches, max_new_tokens, batch_size)
             elif _shared_prefix_ok(target, len(prefix) + max_new_tokens):
                 runs = _continue_shared(target, prefix, branches, max_new_tokens, answer_complete, batch_size)
             else:
@@ -487,16 +474,11 @@ def label_mismatches(
                     r = tr.records[rows[j]]
                     answer_ids = p["generated_ids"][: r["position"]] + [r["draft_id"]] + cont
                     text = target.tokenizer.decode(answer_ids, skip_special_tokens=True)
-                    line = {"uid": r["uid"]}
-                    if j in rejoined:  # back on the target's own answer: that answer
-                        answer = p["answer"]
-                        line["rejoined"] = rejoined.pop(j)
-                    else:
-                        cut_off = len(cont) >= max_new_tokens and not answer_complete(text)
-                        answer = None if cut_off else extract_final_number(text)
+                    cut_off = len(cont) >= max_new_tokens and not answer_complete(text)
+                    answer = None if cut_off else extract_final_number(text)
                     label = int(answer != p["answer"])
                     crit += label
-                    f.write(json.dumps({**line, "label": label, "answer": answer, "new_tokens": len(cont)}) + "\n")
+                    f.write(json.dumps({"uid": r["uid"], "label": label, "answer": answer, "new_tokens": len(cont)}) + "\n")
                 f.flush()
                 n += len(chunk)
                 if bar is not None:
