@@ -38,3 +38,21 @@ def ros_node(request):
     """A spun test node for one test."""
     with spun_node(request.module.__name__.rsplit(".", 1)[-1]) as node:
         yield node
+
+
+# The tiny random pair of the core's mechanics tests (same vocabulary, no tokenizer).
+@pytest.fixture(scope="module")
+def target():
+    from wisv_ros.sd.lm import CausalLM
+    from wisv_ros.sd.models import load_model
+
+    return CausalLM(load_model("tiny-random:0:64")[0])
+
+
+@pytest.fixture(scope="module")
+def drafter_lm():
+    """The target's weights with 5 % noise: accepts about a third of the draft tokens."""
+    from wisv_ros.sd.lm import CausalLM
+    from wisv_ros.sd.models import load_model
+
+    return CausalLM(load_model("tiny-random:0:64:0.05")[0])

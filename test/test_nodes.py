@@ -783,22 +783,16 @@ def test_copy_mode_on_the_edge_is_lossless_and_saves_round_trips(ros, target_lm,
         p.close()
 
 
-def test_copy_probe_without_a_probe_file_is_refused(tmp_path):
-    node = NodeProcess("verifier_node", "/nodes_copy_bad", tmp_path, target_model=TARGET, copy="probe")
+@pytest.mark.parametrize("params,error", [
+    ({"copy": "probe"}, "parameter probe_path: copy=probe needs a probe file"),
+    ({"tau_per_channel": "5g:0.1"}, "tau_per_channel: unknown channel scenario '5g'"),
+], ids=["copy_probe_without_probe", "bad_tau_per_channel"])
+def test_a_verifier_with_bad_parameters_stops_naming_them(tmp_path, params, error):
+    node = NodeProcess("verifier_node", "/nodes_bad_params", tmp_path, target_model=TARGET, **params)
     try:
         node.proc.wait(START_TIMEOUT)
         assert node.proc.returncode != 0
-        assert "parameter probe_path: copy=probe needs a probe file" in node.log.read_text()
-    finally:
-        node.stop()
-
-
-def test_a_bad_tau_per_channel_is_refused_by_name(tmp_path):
-    node = NodeProcess("verifier_node", "/nodes_tau_bad", tmp_path, target_model=TARGET, tau_per_channel="5g:0.1")
-    try:
-        node.proc.wait(START_TIMEOUT)
-        assert node.proc.returncode != 0
-        assert "tau_per_channel: unknown channel scenario '5g'" in node.log.read_text()
+        assert error in node.log.read_text()
     finally:
         node.stop()
 

@@ -9,8 +9,6 @@ import torch
 
 from wisv_ros.link.channel import CHANNEL_FEATURES, SCENARIOS
 from wisv_ros.sd.drafting import Drafter
-from wisv_ros.sd.lm import CausalLM
-from wisv_ros.sd.models import load_model
 from wisv_ros.sd.rounds import (BlockRequest, EdgeRound, EdgeSessions, InProcessLink, RobotPolicy, RobotSession,
                                 generate, generate_target_only)
 from wisv_ros.sd.verification import Method, Verifier
@@ -124,14 +122,6 @@ def test_a_projection_of_another_head_is_refused_by_name(tiny, tmp_path):
         judge(ProjectedHidden(theirs(block), theirs.head_id), [0], target_hidden)
 
 
-@pytest.fixture(scope="module")
-def target():
-    return CausalLM(load_model("tiny-random:0:64")[0])
-
-
-@pytest.fixture(scope="module")
-def drafter_lm():
-    return CausalLM(load_model("tiny-random:0:64:0.05")[0])
 
 
 @pytest.fixture(scope="module")

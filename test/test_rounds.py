@@ -10,8 +10,6 @@ import pytest
 import torch
 
 from wisv_ros.sd.drafting import Drafter
-from wisv_ros.sd.lm import CausalLM
-from wisv_ros.sd.models import load_model
 from wisv_ros.sd.rounds import (EDGE_BUSY, EDGE_LOADING, BlockRequest, EdgeLost, EdgeReply, EdgeRound, EdgeSessions, InProcessLink, RobotPolicy,
                                 RobotSession, generate_target_only)
 from wisv_ros.sd.verification import Method
@@ -20,14 +18,6 @@ PROMPT = [5, 9, 12, 3]
 N = 40
 
 
-@pytest.fixture(scope="module")
-def target():
-    return CausalLM(load_model("tiny-random:0:64")[0])
-
-
-@pytest.fixture(scope="module")
-def drafter_lm():
-    return CausalLM(load_model("tiny-random:0:64:0.05")[0])
 
 
 @pytest.fixture(scope="module")
