@@ -540,3 +540,47 @@ def test_labels_on_llama_cpp_run_every_continuation_to_its_answer(llm, tmp_path)
     for x in labels.values():
         assert x["label"] == int(x["answer"] != answer) and 0 < x["new_tokens"] <= 200
     assert (load_traces(tmp_path).labels >= 0).all()
+
+
+def test_edge_sessions_keep_each_request_on_its_own_kv_sequence():
+    """EdgeSessions over a target with two session sequences: two requests verified in turns commit
+    what each commits alone, and after its first round each round feeds only its own new tokens;
+    with one shared sequence the same turns prefill each context again at every switch."""
+    from wisv_ros.sd.rounds import BlockRequest, EdgeSessions
+
+    def run(lm, turns):
+        edge = EdgeSessions(lm)
+        out = {rid: [] for rid, _ in turns}
+        fed = 0
+        for rid, prompt, ref, r in ((rid, p, ref, r) for r in range(3) for rid, (p, ref) in turns):
+            committed = len(out[rid])
+            req = BlockRequest(rid, r, len(prompt) + committed, ref[committed:committed + 4], k=4, protocol="ids",
+                               method="greedy", context_ids=list(prompt) if r == 0 else [])
+            reply = edge.handle(req)
+            assert not reply.error, reply.error
+            out[rid] += reply.committed_ids
+            fed += reply.verdict.target_tokens
+        return out, fed
+
+    shared = LlamaCppLM.from_gguf(MODEL, threads=1)
+    two = LlamaCppLM.from_gguf(MODEL, threads=1, n_sessions=2, n_seq_max=10)
+    try:
+        a = encode_prompt(shared.tokenizer, PROMPTS["code"])
+        b = encode_prompt(shared.tokenizer, PROMPTS["math"])
+        refs = {"a": _greedy(shared, a, 16)[0], "b": _greedy(shared, b, 16)[0]}
+        turns = [("a", (a, refs["a"])), ("b", (b, refs["b"]))]
+        alone = {rid: run(LlamaCppLM.from_gguf(MODEL, threads=1), [t])[0][rid] for rid, t in zip("ab", turns)}
+        out, fed_two = run(two, turns)
+        assert out == alone
+        rounds_after_first = 2 * 2
+        # first rounds: the prompt and the block; later rounds: the last round's correction or bonus and the block
+        assert fed_two == len(a) + len(b) + 2 * 4 + rounds_after_first * (1 + 4)
+        assert two.cells_used() == len(a) + len(b) + len(out["a"]) + len(out["b"]) - 2  # the last tokens are not fed yet
+        _, fed_shared = run(shared, turns)
+        common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)  # the chat template's shared start
+        # each of the 4 later rounds found the other request's context in the one sequence and prefilled
+        # its own again past the shared start (b's first round saved that start instead)
+        assert fed_shared - fed_two >= 3 * (min(len(a), len(b)) - common)
+    finally:
+        shared.close()
+        two.close()

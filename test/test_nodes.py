@@ -786,7 +786,8 @@ def test_copy_mode_on_the_edge_is_lossless_and_saves_round_trips(ros, target_lm,
 @pytest.mark.parametrize("params,error", [
     ({"copy": "probe"}, "parameter probe_path: copy=probe needs a probe file"),
     ({"tau_per_channel": "5g:0.1"}, "tau_per_channel: unknown channel scenario '5g'"),
-], ids=["copy_probe_without_probe", "bad_tau_per_channel"])
+    ({"kv_sessions": 2}, "parameter kv_sessions: 2 needs backend llama_cpp"),
+], ids=["copy_probe_without_probe", "bad_tau_per_channel", "kv_sessions_on_torch"])
 def test_a_verifier_with_bad_parameters_stops_naming_them(tmp_path, params, error):
     node = NodeProcess("verifier_node", "/nodes_bad_params", tmp_path, target_model=TARGET, **params)
     try:

@@ -81,6 +81,8 @@ class VerifierNode(ServingNode):
         declare(self, "max_context", 4096, "longest committed context + block of a request (tokens); longer blocks are "
                 "refused by name before any model work (also the llama_cpp context size, plus a block and the copy "
                 "candidates)", lo=16, hi=1 << 20)
+        declare(self, "kv_sessions", 1, "requests whose KV state the target keeps side by side (llama_cpp): switching "
+                "between robots then costs no prefill; the cache grows to kv_sessions x max_context tokens", lo=1, hi=64)
         declare(self, "max_queue", 64, "blocks waiting for the verification thread at most; a block beyond it is answered "
                 "'edge busy' at once and the drafter resends it later", lo=1, hi=100000)
         declare(self, "max_block", 256, "most draft tokens one block may carry (drafter_node allows k up to 256)", lo=1, hi=1024)
@@ -102,6 +104,9 @@ class VerifierNode(ServingNode):
                               ("method", METHODS), ("backend", BACKENDS)):
             if self._param(name) not in choices:
                 raise ValueError(f"parameter {name}: '{self._param(name)}' is not one of {', '.join(choices)}")
+        if int(self._param("kv_sessions")) > 1 and resolve_backend(self._param("target_model"), self._param("backend")) != "llama_cpp":
+            raise ValueError(f"parameter kv_sessions: {self._param('kv_sessions')} needs backend llama_cpp "
+                             "(the torch engine keeps one context); set kv_sessions:=1")
         self._tau_schedule = None
         if self._param("tau_per_channel"):
             from wisv_ros.link.channel import TauSchedule
@@ -111,7 +116,7 @@ class VerifierNode(ServingNode):
             raise ValueError("parameter probe_path: copy=probe needs a probe file (.npz); set probe_path or use copy:=ngram")
         self.add_on_set_parameters_callback(frozen_after_start(
             {"target_model", "target_dtype", "threads", "channel_deadline_s", "head_path", "copy", "probe_path", "backend",
-             "max_context", "max_block", "tau_per_channel"},
+             "max_context", "max_block", "tau_per_channel", "kv_sessions"},
             {"method": METHODS, "default_channel": tuple(SCENARIOS)},
         ))
 
@@ -170,8 +175,9 @@ class VerifierNode(ServingNode):
                 capture = [(probe.layer, probe.kind)]
             n_ctx = int(self._param("max_context")) + int(self._param("max_block")) \
                 + int(self._param("copy_width")) * int(self._param("copy_depth"))
+            kv = int(self._param("kv_sessions"))
             lm = load_lm(spec, backend, dtype=self._param("target_dtype"), capture=capture, threads=int(self._param("threads")),
-                         n_ctx=n_ctx)
+                         n_ctx=n_ctx * kv, n_sessions=kv)
             if probe is not None and probe.d_model != lm.hidden_size:
                 raise ValueError(f"probe {self._param('probe_path')} expects hidden size {probe.d_model}, the target has {lm.hidden_size}")
             head_path = self._param("head_path")

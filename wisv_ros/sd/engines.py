@@ -54,13 +54,14 @@ def resolve_backend(spec: str, backend: str) -> str:
 
 
 def load_lm(spec: str, backend: str = "torch", *, dtype: str = "auto", capture: Sequence[tuple[int, str]] = (),
-            threads: int = 1, n_ctx: int = 4096):
+            threads: int = 1, n_ctx: int = 4096, n_sessions: int = 1):
     """A decoding model for ``spec`` (registry name, HF folder, ``.gguf`` file, ``tiny-random:...``) on
     ``backend`` (``auto``: see ``resolve_backend``).
 
     dtype: torch weights dtype (``auto``, ``float32``, ``bfloat16``, ``float16``); llama_cpp runs the
     GGUF file's own quantisation. threads: CPU threads of the engine. n_ctx: llama_cpp context size
-    (tokens; prompt + answer + one block).
+    (tokens; prompt + answer + one block; shared by the sessions). n_sessions: contexts the
+    llama_cpp engine keeps apart (``LlamaCppLM.use``); torch keeps one.
     """
     backend = resolve_backend(spec, backend)
     if backend == "torch":
@@ -69,6 +70,8 @@ def load_lm(spec: str, backend: str = "torch", *, dtype: str = "auto", capture: 
         from wisv_ros.sd.lm import CausalLM
         from wisv_ros.sd.models import load_model
 
+        if n_sessions != 1:
+            raise ValueError(f"n_sessions {n_sessions}: the torch engine keeps one context; use backend llama_cpp")
         torch.set_num_threads(threads)
         model, tok = load_model(spec, dtype=dtype)
         return CausalLM(model, tok, capture=capture)
@@ -76,4 +79,5 @@ def load_lm(spec: str, backend: str = "torch", *, dtype: str = "auto", capture: 
         raise ValueError(f"backend llama_cpp: '{spec}' is a torch test model; give a registry name or a .gguf file")
     from wisv_ros.sd.llama_cpp_lm import LlamaCppLM
 
-    return LlamaCppLM.from_gguf(spec, n_ctx=n_ctx, threads=threads, capture=capture)
+    return LlamaCppLM.from_gguf(spec, n_ctx=n_ctx, threads=threads, capture=capture, n_sessions=n_sessions,
+                                n_seq_max=n_sessions + 8)

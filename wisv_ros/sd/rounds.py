@@ -167,6 +167,8 @@ class _Session:
     last_round: int
     last_key: tuple | None = None
     last_reply: EdgeReply | None = None
+    slot: int | None = None  # the target's KV sequence of this request (engines with sessions)
+    pending: bool = False  # between begin and finish: its draft sits in that sequence
 
 
 @dataclasses.dataclass
@@ -285,16 +287,43 @@ class EdgeSessions:
         block = DraftBlock(token_ids=list(req.token_ids), hidden=req.hidden, probs=probs,
                            prefix_length=req.prefix_length, draft_time_s=req.draft_time_s)
         try:
+            self._bind(session)
             tp = v.target_pass(block)
         except Exception as exc:  # noqa: BLE001 - a block never takes the edge down
             return self._remember(session, self._error(req, exc))
+        session.pending = True
         return EdgeRound(req, list(tp.hidden_positions), session, tp)
+
+    def _bind(self, session: _Session) -> None:
+        """Point the target at the request's own KV sequence when the engine keeps several
+        (``LlamaCppLM`` with ``n_sessions`` > 1): switching between robots then costs no prefill.
+        A request without one takes a free sequence, else the least recently used request's that is
+        not between its two phases (that request prefills again when it comes back)."""
+        n = getattr(self.lm, "n_sessions", 1)
+        if n <= 1:
+            return
+        if session.slot is None:
+            used = {s.slot for s in self._sessions.values() if s.slot is not None}
+            free = [i for i in range(n) if i not in used]
+            if free:
+                slot = free[0]
+            else:
+                victim = next((s for s in self._sessions.values()
+                               if s.slot is not None and s is not session and not s.pending), None)
+                if victim is None:
+                    raise BlockError(f"{EDGE_BUSY}: all {n} KV sequences hold requests between their two phases")
+                slot, victim.slot = victim.slot, None
+            self.lm.drop(slot)
+            session.slot = slot
+        self.lm.use(session.slot)
 
     def finish(self, rnd: EdgeRound, drafter_hidden: np.ndarray | ProjectedHidden | None = None) -> EdgeReply:
         """Decide (with the drafter hiddens at ``rnd.hidden_positions``, raw or projected, or None: reject
         every mismatch), run the copy rounds, and keep the reply for resends."""
         req, session = rnd.request, rnd._session
+        session.pending = False
         try:
+            self._bind(session)
             if isinstance(drafter_hidden, ProjectedHidden):  # SH: the reply names its head
                 check_head_id(drafter_hidden.head_id, self.head_id)
             verdict = session.verifier.decide(rnd._pass, drafter_hidden)
@@ -401,7 +430,9 @@ class EdgeSessions:
             session = _Session(verifier, rnd - 1)
             self._sessions[rid] = session
             while len(self._sessions) > self.max_requests:
-                self._sessions.popitem(last=False)
+                _, old = self._sessions.popitem(last=False)
+                if old.slot is not None:
+                    self.lm.drop(old.slot)
         elif session is None:
             raise BlockError(f"{UNKNOWN_REQUEST} {rid}: resend context")
         if rnd <= session.last_round:
