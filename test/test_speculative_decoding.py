@@ -20,14 +20,9 @@ PROMPTS = [[5, 9, 12, 3], [7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
 
 
 @pytest.fixture(scope="module")
-def target():
-    return CausalLM(load_model("tiny-random:0:64")[0])
-
-
-@pytest.fixture(scope="module")
-def drafter():
-    # The target's weights with 5 % noise: accepts about a third of the draft tokens.
-    return CausalLM(load_model("tiny-random:0:64:0.05")[0])
+def drafter(drafter_lm):
+    """The tiny pair's drafter (conftest): the target's weights with 5 % noise."""
+    return drafter_lm
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])

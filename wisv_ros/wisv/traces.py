@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from wisv_ros.eval.datasets import read_jsonl, Problem, build_prompt, extract_final_number
-from wisv_ros.sd.acceptance import FLY_TOP_K
+from wisv_ros.sd.acceptance import FLY_TOP_K, topk_entropy
 from wisv_ros.sd.drafting import DraftBlock, Drafter, encode_prompt
 from wisv_ros.sd.verification import Verdict, Verifier
 from wisv_ros.sd.rounds import generate
@@ -506,9 +506,10 @@ def fly_points(tr: Traces, entropies: Sequence[float] = FLY_ENTROPIES,
     if recs and "topk" not in recs[0]:
         raise ValueError("these traces have no target features (topk, agree_after): collect them again")
     y = np.array([tr.labels[i] == 1 for i in rows_ok])
-    top = np.array([r["topk"] for r in recs], dtype=np.float64).reshape(len(recs), -1)
-    q = top / np.clip(top.sum(axis=1, keepdims=True), 1e-30, None)
-    ent = -(q * np.log(np.clip(q, 1e-30, None))).sum(axis=1) / np.log(max(q.shape[1], 2))
+    top = torch.tensor([r["topk"] for r in recs], dtype=torch.float64).reshape(len(recs), -1)
+    # The recorded top-k probabilities as logits: their softmax is the renormalised top k that
+    # the rule's gate (acceptance.topk_entropy) looks at.
+    ent = topk_entropy(torch.log(top.clamp_min(1e-30)), top.shape[1]).numpy() if len(recs) else np.zeros(0)
     agree = np.array([r["agree_after"] for r in recs])
     left = np.array([r["left"] for r in recs])
     pids = np.array([r["problem_id"] for r in recs])
