@@ -107,8 +107,10 @@ class Pair:
 
         self.ros, self.ns, self.log_dir = ros, ns, log_dir
         self.procs = {
-            "verifier": NodeProcess("verifier_node", ns, log_dir, target_model=TARGET, target_dtype="float32", **(verifier or {})),
-            "drafter": NodeProcess("drafter_node", ns, log_dir, drafter_model=DRAFTER, min_confidence=0.0, **(drafter or {})),
+            "verifier": NodeProcess("verifier_node", ns, log_dir,
+                                    **{"target_model": TARGET, "target_dtype": "float32", **(verifier or {})}),
+            "drafter": NodeProcess("drafter_node", ns, log_dir,
+                                   **{"drafter_model": DRAFTER, "min_confidence": 0.0, **(drafter or {})}),
         }
         self.block_pub = ros.create_publisher(DraftBlock, f"{ns}/draft_block", RELIABLE_QOS)
         self.verdicts = Topic(ros, Verdict, f"{ns}/verdict")
@@ -497,6 +499,39 @@ def test_a_huge_context_is_refused_at_once_and_another_robot_keeps_its_pace(pair
     loaded = out.result.round_trip_s / out.result.rounds
     assert loaded < 2 * unloaded + 0.02, (loaded, unloaded, len(sent))
     assert len(sent) >= 2 and "exceed this verifier's max_context 4096" in pair.verdict_for(sent[0], 0).error
+
+
+def test_a_long_prompt_does_not_hold_another_robots_rounds(ros, tmp_path):
+    """Real weights on llama.cpp (Qwen2.5-Coder-0.5B as target and drafter), a KV sequence per
+    request: while one robot's block with a 4,000-token context is prefilled in chunks of 64,
+    another robot's whole goal runs to its end, each of its rounds shorter than a fifth of the long
+    block's; the long block is then verified as usual."""
+    model = "qwen2.5-coder-0.5b-instruct"
+    pair = Pair(ros, "/nodes_prefill", tmp_path,
+                verifier={"target_model": model, "kv_sessions": 2, "prefill_chunk": 64, "max_context": 4096},
+                drafter={"drafter_model": model})
+    try:
+        pair.wait_verifier()
+        warm = pair.start_goal(max_new_tokens=8, k=4).outcome(GOAL_TIMEOUT)
+        assert warm.status_name == "succeeded", warm.result.error + "\n" + pair.logs()
+        context = [(37 * i) % 20000 + 100 for i in range(4000)]
+        t_pub = ros.get_clock().now().nanoseconds * 1e-9
+        pair.publish_block("long-0", 0, [context[0]], context=context)
+        out = pair.start_goal(max_new_tokens=32, k=4).outcome(GOAL_TIMEOUT)
+        assert out.status_name == "succeeded" and out.result.drafter_only_rounds == 0, out.result.error
+        assert pair.verdicts.wait_for(lambda m: m.request_id == "long-0", 0.0) is None, \
+            "the long block was verified before the other robot's goal ended\n" + pair.logs()
+        long_verdict = pair.verdict_for("long-0", 0, timeout=300.0)
+        assert not long_verdict.error and long_verdict.committed_length in (4001, 4002), long_verdict.error
+        long_stats = pair.stats.wait_for(lambda m: m.request_id == "long-0", 10.0)
+        assert long_stats is not None
+        during = [m for m in pair.stats.msgs if m.request_id != "long-0" and not m.copy_round
+                  and m.header.stamp.sec + m.header.stamp.nanosec * 1e-9 > t_pub]
+        assert len(during) >= 5, len(during)
+        assert max(m.round_time_s for m in during) < long_stats.round_time_s / 5, \
+            ([round(m.round_time_s, 3) for m in during], long_stats.round_time_s)
+    finally:
+        pair.close()
 
 
 def test_invalid_goal_is_aborted_with_the_reason(pair):

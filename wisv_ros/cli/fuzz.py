@@ -95,7 +95,7 @@ def run(args) -> tuple[list[dict], list[str]]:
     from wisv_ros.cli.launch import build_commands, running_graph
     from wisv_ros.msg import ChannelState, DraftBlock, HiddenReply, HiddenRequest, Verdict
     from wisv_ros.nodes.client import GenerateClient
-    from wisv_ros.nodes.common import RELIABLE_QOS
+    from wisv_ros.nodes.common import RELIABLE_QOS, reliable_qos
     from wisv_ros.sd.engines import load_lm
 
     target = load_lm(args.target, args.target_backend, dtype="float32")
@@ -116,7 +116,9 @@ def run(args) -> tuple[list[dict], list[str]]:
     with running_graph(commands, out / "launch.log", "fuzz", args.wait) as (launcher, node, check):
         client = GenerateClient(node, "/robot/generate")
         verdicts = _Verdicts()
-        node.create_subscription(Verdict, "/robot/verdict", verdicts, RELIABLE_QOS)
+        # Deep history: the harness floods this topic itself, and on a loaded machine its executor can
+        # fall 10 messages behind; a verdict pushed out of its own reader's history is the harness's loss.
+        node.create_subscription(Verdict, "/robot/verdict", verdicts, reliable_qos(1000))
         pubs = {"draft_block": node.create_publisher(DraftBlock, "/robot/draft_block", RELIABLE_QOS),
                 "verdict": node.create_publisher(Verdict, "/robot/verdict", RELIABLE_QOS),
                 "hidden_request": node.create_publisher(HiddenRequest, "/robot/hidden_request", RELIABLE_QOS),

@@ -157,7 +157,7 @@ def node_specs(configuration: str) -> tuple[NodeSpec, ...]:
 def config_dir() -> Path:
     """Folder of the parameter files: ``config/`` of this source checkout (pip route, colcon
     ``--symlink-install``), else the installed ``share/wisv_ros/config`` (ament index)."""
-    checkout = Path(__file__).resolve().parents[1]
+    checkout = Path(__file__).resolve().parents[2]  # wisv_ros/graph/description.py -> the checkout
     if (checkout / "package.xml").is_file() and (checkout / "config").is_dir():
         return checkout / "config"
     from ament_index_python.packages import get_package_share_directory

@@ -27,7 +27,12 @@ pass, at most ``copy_max_rounds`` rounds and the block's ``copy_budget`` tokens.
 
 Threads: the node spins one executor thread (``common.run_node``) whose callbacks never block: the
 block callback queues the block, and one verification thread takes blocks in arrival order and
-runs the target; hidden replies and channel states are handled by the executor meanwhile. The
+runs the target; the blocks of different requests that wait together (up to ``max_batch``) are
+verified in ONE target pass (``EdgeSessions.begin_many``: each request's tokens in its own KV
+sequence), then each gets its decision, SH exchange and verdict. With ``kv_sessions`` > 1 (the default on llama_cpp) each request keeps its own KV
+sequence, and a block whose context needs more than ``prefill_chunk`` tokens fed is prefilled a
+chunk at a time with the blocks that arrived meanwhile served in between (``rounds.PrefillQueue``):
+one robot's long prompt delays the others by about a chunk, not by its whole prefill. Hidden replies and channel states are handled by the executor meanwhile. The
 WISV decision head is an ONNX file (``head_path``, see ``wisv.head``); with none, method wisv
 rejects every mismatch, i.e. behaves as greedy (logged once). Drafter rows may arrive as the head's
 drafter projection (``hidden.head_id`` set: a drafter_node with the same ``head_path``); rows of
@@ -49,7 +54,7 @@ from wisv_ros.nodes.common import (QOS_DEPTH, RELIABLE_QOS, ServingNode, declare
                                     run_node, stamp_age_s, stamp_now)
 from wisv_ros.sd.engines import BACKENDS, load_lm, resolve_backend
 from wisv_ros.sd.models import WEIGHT_DTYPES, resolve_dtype
-from wisv_ros.sd.rounds import EDGE_BUSY, EDGE_LOADING, EdgeReply, EdgeSessions
+from wisv_ros.sd.rounds import EDGE_BUSY, EDGE_LOADING, EdgeReply, EdgeSessions, PrefillQueue
 from wisv_ros.sd.verification import Method
 from wisv_ros.switchsd.copying import COPY_MODES
 
@@ -81,8 +86,15 @@ class VerifierNode(ServingNode):
         declare(self, "max_context", 4096, "longest committed context + block of a request (tokens); longer blocks are "
                 "refused by name before any model work (also the llama_cpp context size, plus a block and the copy "
                 "candidates)", lo=16, hi=1 << 20)
-        declare(self, "kv_sessions", 1, "requests whose KV state the target keeps side by side (llama_cpp): switching "
-                "between robots then costs no prefill; the cache grows to kv_sessions x max_context tokens", lo=1, hi=64)
+        declare(self, "kv_sessions", 0, "requests whose KV state the target keeps side by side: switching between robots "
+                "then costs no prefill, and long contexts are prefilled in chunks (prefill_chunk); the cache grows to "
+                "kv_sessions x max_context tokens; 0 = auto (4 on llama_cpp, 1 on torch, which keeps one context)",
+                lo=0, hi=64)
+        declare(self, "max_batch", 8, "blocks of different requests verified in one target pass at most (bounded by "
+                "kv_sessions; 1 = one block per pass): blocks that wait together share the pass", lo=1, hi=64)
+        declare(self, "prefill_chunk", 128, "with kv_sessions > 1: a block whose context needs more than this many tokens "
+                "prefilled is fed a chunk at a time, and other requests' blocks are verified between two chunks (tokens; "
+                "0 = whole contexts at once, holding the target meanwhile)", lo=0, hi=1 << 20)
         declare(self, "max_queue", 64, "blocks waiting for the verification thread at most; a block beyond it is answered "
                 "'edge busy' at once and the drafter resends it later", lo=1, hi=100000)
         declare(self, "max_block", 256, "most draft tokens one block may carry (drafter_node allows k up to 256)", lo=1, hi=1024)
@@ -104,7 +116,8 @@ class VerifierNode(ServingNode):
                               ("method", METHODS), ("backend", BACKENDS)):
             if self._param(name) not in choices:
                 raise ValueError(f"parameter {name}: '{self._param(name)}' is not one of {', '.join(choices)}")
-        if int(self._param("kv_sessions")) > 1 and resolve_backend(self._param("target_model"), self._param("backend")) != "llama_cpp":
+        self._backend = resolve_backend(self._param("target_model"), self._param("backend"))
+        if int(self._param("kv_sessions")) > 1 and self._backend != "llama_cpp":
             raise ValueError(f"parameter kv_sessions: {self._param('kv_sessions')} needs backend llama_cpp "
                              "(the torch engine keeps one context); set kv_sessions:=1")
         self._tau_schedule = None
@@ -116,7 +129,7 @@ class VerifierNode(ServingNode):
             raise ValueError("parameter probe_path: copy=probe needs a probe file (.npz); set probe_path or use copy:=ngram")
         self.add_on_set_parameters_callback(frozen_after_start(
             {"target_model", "target_dtype", "threads", "channel_deadline_s", "head_path", "copy", "probe_path", "backend",
-             "max_context", "max_block", "tau_per_channel", "kv_sessions"},
+             "max_context", "max_block", "tau_per_channel", "kv_sessions", "prefill_chunk"},
             {"method": METHODS, "default_channel": tuple(SCENARIOS)},
         ))
 
@@ -132,6 +145,8 @@ class VerifierNode(ServingNode):
         self._stats_pub = self.create_publisher(RoundStats, "round_stats", RELIABLE_QOS)
         self._blocks: queue.Queue = queue.Queue()  # (message, perf_counter at reception); max_queue bounds it
         self._busy = 0  # blocks answered "edge busy"
+        self._prefill = PrefillQueue(int(self._param("prefill_chunk")))  # verification thread only
+        self._ready: list = []  # (BlockRequest, message, reception time) waiting for a target pass
         self.create_subscription(DraftBlock, "draft_block", self._queue_block, burst_qos)
         self.create_subscription(HiddenReply, "hidden_reply", lambda m: self._hiddens.offer(m), RELIABLE_QOS)
         self.create_subscription(ChannelState, "channel_state", self._on_channel_state, RELIABLE_QOS)
@@ -152,6 +167,15 @@ class VerifierNode(ServingNode):
 
     def _param(self, name):
         return self.get_parameter(name).value
+
+    @property
+    def _max_batch(self) -> int:
+        return max(1, min(int(self._param("max_batch")), self.kv_sessions()))
+
+    def kv_sessions(self) -> int:
+        """The KV sequences of the target: parameter kv_sessions, 0 = 4 on llama_cpp, else 1."""
+        kv = int(self._param("kv_sessions"))
+        return kv if kv > 0 else (4 if self._backend == "llama_cpp" else 1)
 
     def _release(self) -> None:
         self._edge = None  # the target and every request's session
@@ -175,7 +199,7 @@ class VerifierNode(ServingNode):
                 capture = [(probe.layer, probe.kind)]
             n_ctx = int(self._param("max_context")) + int(self._param("max_block")) \
                 + int(self._param("copy_width")) * int(self._param("copy_depth"))
-            kv = int(self._param("kv_sessions"))
+            kv = self.kv_sessions()
             lm = load_lm(spec, backend, dtype=self._param("target_dtype"), capture=capture, threads=int(self._param("threads")),
                          n_ctx=n_ctx * kv, n_sessions=kv)
             if probe is not None and probe.d_model != lm.hidden_size:
@@ -285,36 +309,116 @@ class VerifierNode(ServingNode):
         return out
 
     def _verify_loop(self) -> None:
-        """The verification thread: blocks in arrival order; an exception never ends it; None stops it."""
+        """The verification thread: blocks in arrival order, those of different requests verified
+        together (``max_batch``), long contexts prefilled a chunk at a time between the others
+        (``rounds.PrefillQueue``); an exception never ends it; None stops it."""
         while True:
-            item = self._blocks.get()
-            if item is None:
-                return
-            msg, t_recv = item
-            try:
-                self._on_block(msg, t_recv)
-            except Exception as exc:  # noqa: BLE001 - e.g. publishing while the node shuts down
-                if not self.context.ok():  # shutting down: the round's verdict has nowhere to go
+            # Every block that came since the last chunk is served (or begins its prefill) first.
+            if len(self._prefill):
+                items = []
+                for _ in range(self._blocks.qsize()):
+                    try:
+                        items.append(self._blocks.get_nowait())
+                    except queue.Empty:
+                        break
+            else:
+                items = [self._blocks.get()]
+                while not self._blocks.empty() and len(items) < 4 * self._max_batch:
+                    items.append(self._blocks.get_nowait())  # the only consumer: cannot be empty here
+            for item in items:
+                if item is None:
                     return
-                self.get_logger().error(f"request {msg.request_id} round {msg.round_id}: {exc!r}")
+                self._guarded(self._on_block, *item)
+            self._serve_ready()
+            if len(self._prefill):
+                self._guarded(self._prefill_step, None, 0.0)
+                self._serve_ready()
 
-    def _on_block(self, msg, t_recv: float) -> None:
-        uplink_s = stamp_age_s(self, msg.header.stamp)
-        sh = self._hiddens.new_round()
+    def _guarded(self, fn, msg, t_recv: float) -> None:
+        try:
+            fn(msg, t_recv)
+        except Exception as exc:  # noqa: BLE001 - e.g. publishing while the node shuts down
+            if not self.context.ok():  # shutting down: the round's verdict has nowhere to go
+                return
+            where = f"request {msg.request_id} round {msg.round_id}: " if msg is not None else "prefill: "
+            self.get_logger().error(f"{where}{exc!r}")
+
+    def _edge_now(self) -> EdgeSessions | None:
         edge = self._edge if self._active else None
         if edge is not None:  # parameters that may change while the node runs
             edge.method, edge.max_requests = Method(self._param("method")), int(self._param("max_requests"))
             edge.copy_max_rounds, edge.seed = int(self._param("copy_max_rounds")), int(self._param("seed"))
             edge.fly_entropy, edge.fly_window = float(self._param("fly_entropy")), int(self._param("fly_window"))
+        return edge
+
+    def _not_loaded(self, msg) -> EdgeReply:
+        return EdgeReply(msg.request_id, int(msg.round_id),
+                         error=self._load_error or f"{EDGE_LOADING}: verifier_node is not active yet (loading its "
+                                                   "target model); resend")
+
+    def _on_block(self, msg, t_recv: float) -> None:
+        """A block off the queue: its first prefill chunk (kept by ``_prefill`` while its context
+        needs more), else served at once."""
+        edge = self._edge_now()
         if edge is None:
-            reply = EdgeReply(msg.request_id, int(msg.round_id),
-                              error=self._load_error or f"{EDGE_LOADING}: verifier_node is not active yet (loading its "
-                                                        "target model); resend")
+            self._answer(msg, t_recv, self._not_loaded(msg))
+            return
+        try:
+            req = read_block(msg, edge.lm.vocab_size)
+        except WireError as exc:
+            self._answer(msg, t_recv, EdgeReply(msg.request_id, int(msg.round_id), error=str(exc)))
+            return
+        for req, (m, t), reply in self._prefill.offer(edge, req, (msg, t_recv)):
+            self._serve(edge, req, m, t, reply)
+
+    def _prefill_step(self, _msg, _t) -> None:
+        """The next chunk of the oldest block whose context is being prefilled."""
+        edge = self._edge_now()
+        if edge is None:  # deactivated meanwhile: the kept blocks are answered, the drafters resend
+            for _req, (m, t) in self._prefill.drain():
+                self._answer(m, t, self._not_loaded(m))
+            return
+        for req, (m, t), reply in self._prefill.step(edge):
+            self._serve(edge, req, m, t, reply)
+
+    def _serve(self, edge: EdgeSessions, req, msg, t_recv: float, reply: EdgeReply | None) -> None:
+        """A block done with its prefill: refused at once (``reply``), else ready for a target pass."""
+        if reply is not None:
+            self._answer(msg, t_recv, reply)
         else:
+            self._ready.append((req, msg, t_recv))
+
+    def _serve_ready(self) -> None:
+        """Verify the ready blocks, oldest first, up to ``max_batch`` of different requests per target
+        pass (``EdgeSessions.begin_many``); then each block's decision, SH exchange and verdict."""
+        while self._ready:
+            edge = self._edge_now()
+            if edge is None:
+                for _req, msg, t in self._ready:
+                    self._guarded(lambda m, tt: self._answer(m, tt, self._not_loaded(m)), msg, t)
+                self._ready.clear()
+                return
+            batch, rest, seen = [], [], set()
+            for item in self._ready:
+                if item[0].request_id in seen or len(batch) >= self._max_batch:
+                    rest.append(item)
+                else:
+                    batch.append(item)
+                    seen.add(item[0].request_id)
+            self._ready = rest
             try:
-                reply = edge.handle(read_block(msg, edge.lm.vocab_size), fetch_hidden=self._hiddens.fetch)
-            except WireError as exc:
-                reply = EdgeReply(msg.request_id, int(msg.round_id), error=str(exc))
+                rounds = edge.begin_many([req for req, _, _ in batch])
+            except Exception as exc:  # noqa: BLE001 - never ends the thread; every block of the pass is answered
+                rounds = [EdgeReply(req.request_id, req.round_id, error=f"internal error: {exc!r}") for req, _, _ in batch]
+            for (req, msg, t), rnd in zip(batch, rounds):
+                def one(m, tt, rnd=rnd):
+                    sh = self._hiddens.new_round()
+                    self._answer(m, tt, edge.complete(rnd, self._hiddens.fetch), sh)
+                self._guarded(one, msg, t)
+
+    def _answer(self, msg, t_recv: float, reply: EdgeReply, sh: dict | None = None) -> None:
+        uplink_s = max(0.0, stamp_age_s(self, msg.header.stamp) - (time.perf_counter() - t_recv))  # up to reception
+        sh = sh if sh is not None else self._hiddens.new_round()
         if reply.resent:  # idempotent: the drafter missed (or timed out on) this verdict
             self.get_logger().info(f"request {msg.request_id} round {msg.round_id}: block resent; publishing its verdict again")
         elif reply.error:

@@ -73,6 +73,11 @@ class CacheSync:
         self.rollback(n)
         return list(ids[n:])
 
+    def prefill(self, ids: Sequence[int]) -> None:
+        """Append ``ids`` to the cache when nothing of their pass is needed but the cache (a
+        context fed ahead of its block). Engines that can skip the outputs do (``LlamaCppLM``)."""
+        self.feed(list(ids), n_logits=1)
+
 
 class CausalLM(CacheSync):
     """Wraps a Hugging Face causal LM (Llama, Qwen2, Gemma3 ...) with a KV cache and rollback.

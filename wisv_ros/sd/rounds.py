@@ -27,6 +27,9 @@ Edge side (``EdgeSessions``; used by ``verifier_node``, ``bag reverify`` and ``g
   needs (``EdgeRound.hidden_positions``); the caller fetches them however they travel; ``finish``
   decides, then runs SwitchSD copy rounds (at most ``copy_max_rounds``, and the block's
   ``copy_budget`` tokens) whose tokens end the reply's ``committed_ids``;
+* chunked prefill (``prefill``; engines with a KV sequence per request): a block whose context
+  still needs many tokens fed is prefilled a chunk at a time, and ``PrefillQueue`` serves the
+  other requests' blocks between two chunks, so one robot's long prompt cannot hold the target;
 * pre-projected drafter rows (``BlockRequest.head_id``, ``wisv.head.ProjectedHidden``): the robot
   may send the decision head's drafter projection instead of its hiddens (``RobotSession``'s
   ``projection``); the edge refuses rows of another head than its judge's (``HeadMismatch``).
@@ -72,6 +75,7 @@ __all__ = [
     "EdgeSessions",
     "Generation",
     "InProcessLink",
+    "PrefillQueue",
     "RobotPolicy",
     "RobotResult",
     "RobotSession",
@@ -169,6 +173,9 @@ class _Session:
     last_reply: EdgeReply | None = None
     slot: int | None = None  # the target's KV sequence of this request (engines with sessions)
     pending: bool = False  # between begin and finish: its draft sits in that sequence
+    staged: tuple | None = None  # key of the block whose context ``prefill`` feeds ahead of its ``begin``
+    prefill_tokens: int = 0  # context tokens fed by ``prefill`` since the last verdict (counted in it)
+    prefill_s: float = 0.0
 
 
 @dataclasses.dataclass
@@ -249,9 +256,15 @@ class EdgeSessions:
         """Both phases: ``begin``, the drafter hiddens (``req.drafter_rows()`` under fh, ``fetch_hidden``
         under sh: a [K, d_D] array with the asked rows filled, a ``ProjectedHidden`` of them, or None),
         ``finish``."""
-        out = self.begin(req)
+        return self.complete(self.begin(req), fetch_hidden)
+
+    def complete(self, out: EdgeRound | EdgeReply,
+                 fetch_hidden: Callable[[BlockRequest, list[int]], np.ndarray | ProjectedHidden | None] | None = None
+                 ) -> EdgeReply:
+        """What ``handle`` does after ``begin`` (or ``begin_many``): the reply of ``out``."""
         if isinstance(out, EdgeReply):
             return out
+        req = out.request
         hidden = None
         if out.hidden_positions:
             if req.protocol == "fh":
@@ -263,6 +276,67 @@ class EdgeSessions:
     def begin(self, req: BlockRequest) -> EdgeRound | EdgeReply:
         """Check the block and run the target pass; an ``EdgeReply`` when it is answered already
         (a resend) or refused (``error``)."""
+        prep = self._prepare(req)
+        if isinstance(prep, EdgeReply):
+            return prep
+        session, block = prep
+        try:
+            self._bind(session)
+            tp = session.verifier.target_pass(block)
+        except Exception as exc:  # noqa: BLE001 - a block never takes the edge down
+            return self._remember(session, self._error(req, exc))
+        session.pending = True
+        return EdgeRound(req, list(tp.hidden_positions), session, tp)
+
+    def begin_many(self, reqs: Sequence[BlockRequest]) -> list[EdgeRound | EdgeReply]:
+        """``begin`` of blocks of different requests with ONE target pass for all of them
+        (``LlamaCppLM.feed_many``: each request's tokens in its own KV sequence); the result per
+        block is what ``begin`` gives it alone (logits equal up to the rounding of a larger batch).
+        Each ``EdgeRound``'s ``target_time_s`` is the shared pass's (the wait every block saw).
+
+        Engines without a KV sequence per request, or a single block, take ``begin`` one by one.
+        Blocks of one request must not share a call (ValueError): a request has one block in flight.
+        """
+        ids = [r.request_id for r in reqs]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"begin_many: one block per request, got request ids {ids}")
+        if len(reqs) > getattr(self.lm, "n_sessions", 1) > 1:
+            raise ValueError(f"begin_many: {len(reqs)} blocks, more than the target's {self.lm.n_sessions} KV sequences")
+        if len(reqs) <= 1 or getattr(self.lm, "n_sessions", 1) <= 1 or not hasattr(self.lm, "feed_many"):
+            return [self.begin(r) for r in reqs]
+        out: list[EdgeRound | EdgeReply | None] = [None] * len(reqs)
+        live: list[tuple[int, _Session, DraftBlock, list[int]]] = []
+        for i, req in enumerate(reqs):
+            prep = self._prepare(req)
+            if isinstance(prep, EdgeReply):
+                out[i] = prep
+                continue
+            session, block = prep
+            try:
+                self._bind(session)  # never takes the sequence of a block bound before it (pending)
+                fed = session.verifier.pass_tokens(block)
+            except Exception as exc:  # noqa: BLE001
+                out[i] = self._remember(session, self._error(req, exc))
+                continue
+            session.pending = True
+            live.append((i, session, block, fed))
+        if live:
+            t0 = time.perf_counter()
+            try:
+                steps = self.lm.feed_many([(s.slot, fed) for _, s, _, fed in live])
+            except Exception as exc:  # noqa: BLE001 - the whole pass failed: every block of it is answered
+                for i, s, _, _ in live:
+                    s.pending = False
+                    out[i] = self._remember(s, self._error(reqs[i], exc))
+                return out
+            dt = time.perf_counter() - t0
+            for (i, s, block, fed), step in zip(live, steps):
+                tp = s.verifier.pass_result(block, step, len(fed) - len(block.token_ids), dt)
+                out[i] = EdgeRound(reqs[i], list(tp.hidden_positions), s, tp)
+        return out
+
+    def _prepare(self, req: BlockRequest) -> tuple[_Session, DraftBlock] | EdgeReply:
+        """A resend's kept reply, a refusal, or the block's session (the round taken) and core block."""
         session = self._sessions.get(req.request_id)
         if session is not None and session.last_reply is not None and session.last_key == req.key():
             return dataclasses.replace(session.last_reply, resent=True)
@@ -272,6 +346,7 @@ class EdgeSessions:
             return EdgeReply(req.request_id, req.round_id, error=str(exc))
         # From here the round is taken: its reply (or error) is kept for resends.
         session.last_round, session.last_key, session.last_reply = req.round_id, req.key(), None
+        session.staged = None
         v = session.verifier
         tau = float(req.tau)
         if method == Method.WISV and self.channel_tau is not None:
@@ -284,15 +359,8 @@ class EdgeSessions:
         if method == Method.REJECT:
             v.temperature = float(req.temperature)
         probs = torch.from_numpy(np.ascontiguousarray(req.draft_probs)) if req.draft_probs is not None else None
-        block = DraftBlock(token_ids=list(req.token_ids), hidden=req.hidden, probs=probs,
-                           prefix_length=req.prefix_length, draft_time_s=req.draft_time_s)
-        try:
-            self._bind(session)
-            tp = v.target_pass(block)
-        except Exception as exc:  # noqa: BLE001 - a block never takes the edge down
-            return self._remember(session, self._error(req, exc))
-        session.pending = True
-        return EdgeRound(req, list(tp.hidden_positions), session, tp)
+        return session, DraftBlock(token_ids=list(req.token_ids), hidden=req.hidden, probs=probs,
+                                   prefix_length=req.prefix_length, draft_time_s=req.draft_time_s)
 
     def _bind(self, session: _Session) -> None:
         """Point the target at the request's own KV sequence when the engine keeps several
@@ -317,6 +385,46 @@ class EdgeSessions:
             session.slot = slot
         self.lm.use(session.slot)
 
+    def prefill(self, req: BlockRequest, chunk: int) -> int | EdgeReply:
+        """Feed at most ``chunk`` tokens of the block's committed context into its request's KV
+        sequence ahead of ``begin``; returns how many context tokens remain to be fed after this
+        call (0: ``begin`` feeds the rest with the draft; at most ``chunk`` tokens are left to it),
+        or an ``EdgeReply`` when the block is refused (the same reply a later ``begin`` gives it).
+
+        A block carrying ``context_ids`` creates (stages) its request's session here; a block of a
+        known request prefills whatever of its context its sequence lost. Only engines with a KV
+        sequence per request (``n_sessions`` > 1) are prefilled in chunks: with one shared sequence
+        another request's pass would undo the chunks, so this returns 0 and ``begin`` prefills whole.
+        The chunks' tokens and time are added to the block's verdict (``target_tokens``, ``target_time_s``).
+        """
+        if chunk <= 0 or getattr(self.lm, "n_sessions", 1) <= 1:
+            return 0
+        session = self._sessions.get(req.request_id)
+        if session is not None and session.last_key == req.key():
+            return 0  # a resend: begin answers it
+        if req.context_ids and (session is None or session.staged != req.key()):
+            try:
+                session, _ = self._admit(req)
+            except (BlockError, HeadMismatch) as exc:
+                return EdgeReply(req.request_id, req.round_id, error=str(exc))
+            session.staged = req.key()
+        elif session is None or session.pending:
+            return 0  # an unknown request (begin says so), or one between its two phases
+        try:
+            self._bind(session)
+            todo = self.lm.sync(session.verifier.context)  # rolls back what the sequence holds beyond it
+            if len(todo) <= chunk:
+                return 0
+            t0 = time.perf_counter()
+            self.lm.prefill(todo[:chunk])
+            session.prefill_tokens += chunk
+            session.prefill_s += time.perf_counter() - t0
+            return len(todo) - chunk
+        except Exception as exc:  # noqa: BLE001 - a block never takes the edge down
+            session.staged = None
+            session.last_round, session.last_key = req.round_id, req.key()
+            return self._remember(session, self._error(req, exc))
+
     def finish(self, rnd: EdgeRound, drafter_hidden: np.ndarray | ProjectedHidden | None = None) -> EdgeReply:
         """Decide (with the drafter hiddens at ``rnd.hidden_positions``, raw or projected, or None: reject
         every mismatch), run the copy rounds, and keep the reply for resends."""
@@ -327,6 +435,10 @@ class EdgeSessions:
             if isinstance(drafter_hidden, ProjectedHidden):  # SH: the reply names its head
                 check_head_id(drafter_hidden.head_id, self.head_id)
             verdict = session.verifier.decide(rnd._pass, drafter_hidden)
+            if session.prefill_tokens:  # the context fed ahead in chunks belongs to this block's pass
+                verdict = dataclasses.replace(verdict, target_tokens=verdict.target_tokens + session.prefill_tokens,
+                                              target_time_s=verdict.target_time_s + session.prefill_s)
+                session.prefill_tokens, session.prefill_s = 0, 0.0
             copies = self._copy_rounds(session.verifier, verdict.committed_ids, req.copy_budget)
         except Exception as exc:  # noqa: BLE001
             return self._remember(session, self._error(req, exc))
@@ -415,7 +527,8 @@ class EdgeSessions:
             self._check_probs(req.draft_probs, req.token_ids, vocab)
         rid, rnd = req.request_id, req.round_id
         session = self._sessions.get(rid)
-        if req.context_ids:
+        if req.context_ids and not (session is not None and session.staged == req.key()):
+            # (a session staged by ``prefill`` for this very block holds its context already)
             self._check_ids("context_ids", req.context_ids, vocab)
             if len(req.context_ids) != req.prefix_length:
                 raise BlockError(f"prefix_length {req.prefix_length} != len(context_ids) {len(req.context_ids)}")
@@ -484,6 +597,62 @@ class EdgeSessions:
             if copied >= budget or self._eos.intersection(c.committed_ids):
                 break
         return copies
+
+
+class PrefillQueue:
+    """Blocks whose request context is being prefilled in chunks, for one verification thread.
+
+    ``offer`` takes a block as it arrives: it gives the block its first chunk of prefill
+    (``EdgeSessions.prefill``) and either hands it back to be served at once or keeps it; ``step``
+    gives the oldest kept block its next chunk and moves it to the back. The thread serves every
+    block that arrived since the last step (a short one right away) before the next ``step``, so a
+    block of another request waits at most about one chunk per long-context block that arrived
+    with it, not for a whole prefill. A resend of a kept block is not kept twice.
+
+    Both return the blocks done with prefill as ``(request, payload, reply)``: ``reply`` None =
+    serve it now (``EdgeSessions.handle``); an ``EdgeReply`` = answer it with that (refused).
+    ``payload`` is the caller's (e.g. the message and its arrival time).
+    """
+
+    def __init__(self, chunk: int):
+        if chunk < 0:
+            raise ValueError(f"prefill_chunk must be >= 0 (0 = whole contexts at once), got {chunk}")
+        self.chunk = int(chunk)
+        self._kept: collections.OrderedDict[tuple, tuple[BlockRequest, object]] = collections.OrderedDict()
+        self.chunks = 0  # chunks prefilled so far
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def offer(self, edge: EdgeSessions, req: BlockRequest, payload: object = None) -> list[tuple]:
+        key = (req.request_id,) + req.key()
+        if key in self._kept:
+            return []  # a resend of a block whose prefill goes on: its verdict comes once it is done
+        return self._advance(edge, key, req, payload)
+
+    def step(self, edge: EdgeSessions) -> list[tuple]:
+        """The next chunk of the oldest kept block ([] when none is kept)."""
+        if not self._kept:
+            return []
+        key, (req, payload) = self._kept.popitem(last=False)
+        return self._advance(edge, key, req, payload)
+
+    def drain(self) -> list[tuple[BlockRequest, object]]:
+        """Every kept block, forgotten here (e.g. to answer them while the edge is not loaded)."""
+        out = list(self._kept.values())
+        self._kept.clear()
+        return out
+
+    def _advance(self, edge: EdgeSessions, key: tuple, req: BlockRequest, payload: object) -> list[tuple]:
+        left = edge.prefill(req, self.chunk)
+        if isinstance(left, EdgeReply):
+            return [(req, payload, left)]
+        if left > 0:
+            self.chunks += 1
+        if left > self.chunk:
+            self._kept[key] = (req, payload)
+            return []
+        return [(req, payload, None)]
 
 
 # =========================================================================== robot side

@@ -151,6 +151,14 @@ class Verifier:
 
     def target_pass(self, block: DraftBlock) -> TargetPass:
         """Phase 1: one target forward pass over the block (the cache keeps the draft until ``decide``)."""
+        t0 = time.perf_counter()
+        fed = self.pass_tokens(block)
+        step = self.lm.feed(fed, n_logits=len(block.token_ids) + 1)
+        return self.pass_result(block, step, len(fed) - len(block.token_ids), time.perf_counter() - t0)
+
+    def pass_tokens(self, block: DraftBlock) -> list[int]:
+        """What ``target_pass`` feeds: the context the cache lacks (``lm.sync``: rolls the cache back
+        to it), then the draft. For a pass shared with other requests (``LlamaCppLM.feed_many``)."""
         if block.prefix_length != len(self.context):
             raise ValueError(
                 f"draft block prefix_length {block.prefix_length} does not match the committed length "
@@ -158,17 +166,18 @@ class Verifier:
             )
         if self.method == Method.REJECT and block.probs is None:
             raise ValueError("method reject needs the drafter's distributions (block.probs); draft with temperature > 0")
-        draft = list(block.token_ids)
-        k = len(draft)
-        t0 = time.perf_counter()
-        todo = self.lm.sync(self.context)
-        step = self.lm.feed(todo + draft, n_logits=k + 1)
-        logits = step.logits
-        mismatches = mismatch_positions(draft, logits)
+        return self.lm.sync(self.context) + list(block.token_ids)
+
+    def pass_result(self, block: DraftBlock, step, n_pending: int, target_time_s: float) -> TargetPass:
+        """The ``TargetPass`` of a block from the step that fed its ``pass_tokens`` (``n_pending`` of
+        them context), whether alone or in a shared pass."""
+        k = len(block.token_ids)
+        logits = step.logits[-(k + 1):]
+        mismatches = mismatch_positions(list(block.token_ids), logits)
         judged = self.method == Method.WISV and self.judge is not None and self.tau > 0
         return TargetPass(block=block, logits=logits, target_hidden=step.hidden[-(k + 1):], mismatches=mismatches,
                           hidden_positions=list(mismatches) if judged else [],
-                          target_time_s=time.perf_counter() - t0, _layers=step.layers, _pending=len(todo))
+                          target_time_s=target_time_s, _layers=step.layers, _pending=n_pending)
 
     def decide(self, tp: TargetPass, drafter_hidden: np.ndarray | None = None) -> Verdict:
         """Phase 2: the acceptance rule on a ``target_pass``; commits and rolls the cache back.
