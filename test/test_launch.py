@@ -155,6 +155,7 @@ ARGUMENT_CASES = {
     "robot": [{}, {"drafter_model": DRAFTER, "target_model": "on"}],
     "edge": [{}, {"target_model": TARGET, "robot_namespace": "/robot2"}],
     "system": [{}, {"scenario": "500mbps_5ms", "drafter_model": DRAFTER, "target_model": TARGET, "autostart": "false"}],
+    "fleet": [{}, {"robots": "3", "scenarios": "20mbps_50ms,500mbps_5ms,20mbps_5ms", "target_model": TARGET}],
 }
 
 
@@ -494,5 +495,105 @@ def test_answers_survive_loss_duplicates_reordering_and_an_outage(ros_node, tmp_
         assert list(out.result.token_ids) == expected and out.feedback_ids() == expected
         assert out.result.latency_s > 3.5  # the outage was ridden out, not skipped
         client.client.destroy()
+    finally:
+        launch.stop()
+
+
+def test_fleet_configuration_checks_its_arguments_and_sets_by_role():
+    nodes = graph.resolve("fleet", {"robots": "3", "scenarios": "20mbps_50ms"})
+    assert [(n.namespace, n.name) for n in nodes if n.spec.role == "drafter"] == \
+        [(f"/robot{i}", "drafter_node") for i in (1, 2, 3)]
+    verifier = next(n for n in nodes if n.spec.key == "verifier")
+    assert verifier.namespace == "/edge" and verifier.parameters["robots"] == "robot1,robot2,robot3"
+    emulators = [n for n in nodes if n.spec.role == "emulator"]
+    assert [(e.parameters["robot_namespace"], e.parameters["edge_namespace"], e.parameters["scenario"]) for e in emulators] == \
+        [(f"/robot{i}", f"/edge/robot{i}", "20mbps_50ms") for i in (1, 2, 3)]
+    assert sorted(n.namespace for n in nodes if n.spec.role == "monitor_edge") == ["/edge/robot1", "/edge/robot2", "/edge/robot3"]
+    cmds = dict((n.spec.key, c) for n, c in build_commands("fleet", {"robots": "2"}, ["drafter.k:=4", "drafter2.tau:=0.1"]))
+    assert "k:=4" in cmds["drafter1"] and "k:=4" in cmds["drafter2"]
+    assert "tau:=0.1" in cmds["drafter2"] and "tau:=0.1" not in cmds["drafter1"]
+    for args, error in [({"robots": "0"}, "robots: 0 is outside [1, 32]"), ({"robots": "two"}, "robots: 'two' is not a whole number"),
+                        ({"robots": "3", "scenarios": "20mbps_50ms,500mbps_5ms"}, "scenarios: 2 names for 3 robots"),
+                        ({"scenarios": "5g"}, "scenarios: '5g' is not one of")]:
+        with pytest.raises(ValueError, match=re.escape(error)):
+            graph.resolve("fleet", args)
+
+
+def test_pip_launcher_runs_a_fleet_of_two_robots_on_one_edge(ros_node, tmp_path):
+    """Two robots, each on its own emulated link, one verifier: both answers are the target's own
+    greedy text; each robot's verdicts arrive on its own topic only; a block sent by robot2 under a
+    request id robot1 opened is refused by name and answered on robot2's topic alone."""
+    from wisv_ros.msg import DraftBlock, Verdict
+    from wisv_ros.nodes.client import GenerateClient
+    from wisv_ros.nodes.common import RELIABLE_QOS
+    from wisv_ros.sd.lm import CausalLM
+    from wisv_ros.sd.models import load_model
+    from wisv_ros.sd.rounds import generate_target_only
+
+    n = 16
+    expected = generate_target_only(CausalLM(load_model(TARGET)[0]), PROMPT_IDS, n).token_ids
+    args = ["fleet", "robots:=2", "scenarios:=20mbps_5ms,500mbps_5ms", f"drafter_model:={DRAFTER}", f"target_model:={TARGET}",
+            "--set", "verifier.target_dtype:=float32", "--set", "drafter.on_edge_loss:=error",
+            "--set", "drafter.min_confidence:=0.0"]
+    verdicts = {r: [] for r in ("robot1", "robot2")}
+    for r in verdicts:
+        ros_node.create_subscription(Verdict, f"/edge/{r}/verdict", verdicts[r].append, RELIABLE_QOS)
+    launch = LaunchProcess(args, tmp_path / "launch.log")
+    try:
+        assert launch.wait_for(r"started link2/link_emulator", 30.0), launch.text()
+        assert set(launch.pids()) == {"edge/verifier_node", "robot1/drafter_node", "robot1/link_monitor",
+                                      "edge/robot1/link_monitor", "link1/link_emulator", "robot2/drafter_node",
+                                      "robot2/link_monitor", "edge/robot2/link_monitor", "link2/link_emulator"}, launch.text()
+        clients = [GenerateClient(ros_node, f"/robot{i}/generate") for i in (1, 2)]
+        for c in clients:
+            assert c.wait_for_server(60.0), launch.text()
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:  # until every model is loaded
+            try:
+                goals = [c.start(" ".join(map(str, PROMPT_IDS)), max_new_tokens=n) for c in clients]
+                outs = [g.outcome(120.0) for g in goals]
+                if not any("loading" in o.result.error or "not loaded" in o.result.error for o in outs):
+                    break
+            except (RuntimeError, TimeoutError):
+                pass
+            assert time.monotonic() < deadline, "models not loaded\n" + launch.text()
+            time.sleep(1.0)
+        for o in outs:
+            assert o.status_name == "succeeded", o.result.error + "\n" + launch.text()
+            assert list(o.result.token_ids) == expected and o.result.drafter_only_rounds == 0
+        ids = {r: {v.request_id for v in verdicts[r] if not v.error} for r in verdicts}
+        assert ids["robot1"] and ids["robot2"] and not ids["robot1"] & ids["robot2"], ids
+
+        pubs = {r: ros_node.create_publisher(DraftBlock, f"/edge/{r}/draft_block", RELIABLE_QOS) for r in verdicts}
+        deadline = time.monotonic() + 10.0
+        while any(p.get_subscription_count() == 0 for p in pubs.values()):
+            assert time.monotonic() < deadline, "verifier's per-robot draft_block not discovered"
+            time.sleep(0.1)
+
+        def block(round_id, context=()):
+            msg = DraftBlock()
+            msg.request_id, msg.round_id, msg.token_ids, msg.k = "shared-id", round_id, [1], 1
+            msg.context_ids = list(context)
+            msg.prefix_length = len(context) if context else len(PROMPT_IDS) + 2
+            return msg
+
+        def wait(robot, pred):
+            deadline = time.monotonic() + 30.0
+            while time.monotonic() < deadline:
+                got = [v for v in verdicts[robot] if v.request_id == "shared-id" and pred(v)]
+                if got:
+                    return got[0]
+                time.sleep(0.1)
+            raise AssertionError(f"no verdict for shared-id on {robot}\n" + launch.text())
+
+        pubs["robot1"].publish(block(0, PROMPT_IDS))
+        opened = wait("robot1", lambda v: v.round_id == 0)
+        assert not opened.error, opened.error
+        pubs["robot2"].publish(block(1))
+        refused = wait("robot2", lambda v: v.round_id == 1)
+        assert refused.error.startswith("request_id: shared-id belongs to another robot's request"), refused.error
+        assert [v.round_id for v in verdicts["robot1"] if v.request_id == "shared-id"] == [0]
+        for c in clients:
+            c.client.destroy()
     finally:
         launch.stop()

@@ -3,6 +3,8 @@ the edge's checks and idempotent answers, two-phase verification. Tiny random mo
 here are scripted stand-ins for DDS that lose, delay or restart what a real link would."""
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 import numpy as np
@@ -227,6 +229,25 @@ def test_edge_bounds_context_and_block_size_before_any_model_work(target):
         EdgeSessions(target, max_context=1)
 
 
+def test_a_request_belongs_to_the_robot_that_opened_it(target):
+    """Fleet edge: robot2 can neither continue robot1's request, nor take it over with a new
+    context, nor read its verdict by resending its block; robot1 goes on undisturbed."""
+    edge = EdgeSessions(target)
+    first = BlockRequest("r", 0, len(PROMPT), [1, 2], k=2, context_ids=list(PROMPT), robot="robot1")
+    mine = edge.handle(first)
+    assert not mine.error
+    n = len(PROMPT) + len(mine.committed_ids)
+    steal = [dataclasses.replace(first, robot="robot2"),  # a resend of robot1's block from robot2
+             BlockRequest("r", 1, n, [3], k=1, robot="robot2"),  # continuing it
+             BlockRequest("r", 1, 3, [3], k=1, context_ids=[1, 2, 3], robot="robot2")]  # reopening it
+    for req in steal:
+        reply = edge.handle(req)
+        assert reply.error.startswith("request_id: r belongs to another robot's request"), reply.error
+        assert not reply.committed_ids
+    assert edge.context("r") == list(PROMPT) + mine.committed_ids
+    assert not edge.handle(BlockRequest("r", 1, n, [3], k=1, robot="robot1")).error
+
+
 def test_a_resent_block_gets_the_same_reply_without_a_second_pass(target):
     edge = EdgeSessions(target)
     req = BlockRequest("r", 0, len(PROMPT), [1, 2, 3], k=3, context_ids=list(PROMPT))
@@ -276,7 +297,7 @@ def test_tau_per_channel_replaces_the_blocks_tau_under_wisv(target, drafter_lm):
     now = {"channel": SCENARIOS["500mbps_5ms"]}
     logged: list[RoundRecord] = []
     edge = EdgeSessions(target, method=Method.WISV, judge=lambda h, s, t: torch.full((len(s),), 0.5),
-                        channel_tau=lambda: schedule.tau_for(now["channel"]), round_log=logged.append)
+                        channel_tau=lambda _req: schedule.tau_for(now["channel"]), round_log=logged.append)
     d = Drafter(drafter_lm)
     d.begin(PROMPT, len(PROMPT))
     block = d.draft(8)

@@ -38,38 +38,46 @@ __all__ = ["Launcher", "build_commands", "main", "parse_sets"]
 PDEATHSIG = 1  # prctl option PR_SET_PDEATHSIG
 
 
-def parse_sets(configuration: str, sets: list[str]) -> dict[str, list[tuple[str, str]]]:
-    """``["drafter.k:=4", ...]`` -> ``{node key: [(param, raw value), ...]}``.
+def parse_sets(configuration: str, sets: list[str], robots: int = 2) -> dict[str, list[tuple[str, str]]]:
+    """``["drafter.k:=4", ...]`` -> ``{node key: [(param, raw value), ...]}``. In the fleet a role
+    (``drafter``, ``emulator`` ...) sets that parameter on every robot's node of the role;
+    ``drafter2`` or ``/robot2/drafter_node`` on one.
 
     Raises:
         ValueError: malformed item or unknown node; the message lists the valid node names.
     """
-    specs = graph.node_specs(configuration)
+    specs = graph.node_specs(configuration, robots=robots)
     by_name: dict[str, list] = {}
     for s in specs:
         for alias in {s.key, s.name, s.full_name}:
             by_name.setdefault(alias, []).append(s)
+    roles = {}
+    for s in specs:
+        if s.role:
+            roles.setdefault(s.role, []).append(s)
     out: dict[str, list[tuple[str, str]]] = {}
     for item in sets:
         target, sep, value = item.partition(":=")
         node, dot, param = target.rpartition(".")
         if not sep or not dot or not node or not param:
             raise ValueError(f"--set {item!r}: expected <node>.<param>:=<value>, e.g. drafter.k:=4")
-        matches = by_name.get(node, [])
-        if len(matches) != 1:
-            valid = ", ".join(sorted({s.key for s in specs} | {s.full_name for s in specs}))
+        matches = roles.get(node) or by_name.get(node, [])
+        if len(matches) != 1 and node not in roles:
+            valid = ", ".join(sorted({s.key for s in specs} | {s.full_name for s in specs} | set(roles)))
             why = "is ambiguous" if matches else f"is not a node of configuration {configuration!r}"
             raise ValueError(f"--set {item!r}: {node!r} {why}; use one of {valid}")
-        out.setdefault(matches[0].key, []).append((param, value))
+        for m in matches:
+            out.setdefault(m.key, []).append((param, value))
     return out
 
 
 def build_commands(configuration: str, arguments: dict[str, str] | None = None,
                    sets: list[str] = (), python: str = sys.executable) -> list[tuple[graph.ResolvedNode, list[str]]]:
     """Each node of ``configuration`` with its command line (launch arguments, then ``--set``)."""
-    extra = parse_sets(configuration, list(sets))
-    return [(node, graph.command(node, python, extra.get(node.spec.key, [])))
-            for node in graph.resolve(configuration, arguments)]
+    nodes = graph.resolve(configuration, arguments)
+    robots = sum(1 for n in nodes if n.spec.role == "drafter") or 2
+    extra = parse_sets(configuration, list(sets), robots=robots)
+    return [(node, graph.command(node, python, extra.get(node.spec.key, []))) for node in nodes]
 
 
 @contextmanager

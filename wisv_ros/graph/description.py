@@ -15,7 +15,13 @@ Configurations:
   remapped into the robot's namespace (argument ``robot_namespace``) so that robot and edge meet
   directly across a real network;
 - ``system``: both on one machine, without those remaps, plus ``link_emulator`` relaying the link
-  topics between ``/robot`` and ``/edge`` through an emulated channel (argument ``scenario``).
+  topics between ``/robot`` and ``/edge`` through an emulated channel (argument ``scenario``);
+- ``fleet``: N robots (argument ``robots``, default 2) and one edge on one machine: ``/robot1`` ...
+  ``/robotN`` each with its drafter and link monitor and its own emulated link (``/linkI/link_emulator``
+  relaying ``/robotI`` <-> ``/edge/robotI``; argument ``scenarios``: one scenario per robot), and in
+  ``/edge`` one ``verifier_node`` serving them all (parameter ``robots``: every robot on its own
+  topics ``/edge/robotI/...``, its own KV sequence, blocks of robots that wait together verified in
+  one pass) with one edge link monitor per robot (``/edge/robotI/link_monitor``).
 
 Link topics (robot -> edge: :data:`UPLINK_TOPICS`, edge -> robot: :data:`DOWNLINK_TOPICS`) are the
 link emulator's default relay lists. ``channel_state`` is published by the robot's monitor, which
@@ -54,7 +60,8 @@ __all__ = [
 PACKAGE = "wisv_ros"
 ROBOT_NS = "/robot"
 EDGE_NS = "/edge"
-CONFIGURATIONS = ("robot", "edge", "system")
+CONFIGURATIONS = ("robot", "edge", "system", "fleet")
+MAX_ROBOTS = 32  # robots of the fleet configuration at most
 
 #: robot -> edge and edge -> robot topics (relative names), as relayed by link_emulator_node.
 UPLINK_TOPICS = ("draft_block", "hidden_reply", "channel_state", "link_ping")
@@ -74,6 +81,12 @@ class NodeSpec:
     #: link topics this node publishes or subscribes (relative names); remapped on a lone edge
     link_topics: tuple[str, ...] = ()
     package: str = PACKAGE
+    role: str = ""  # what the node is in the graph ('' = its key): fleet robots' nodes share their role's
+    #                 params file argument, launch-argument overrides and --set handle
+
+    @property
+    def role_key(self) -> str:
+        return self.role or self.key
 
     @property
     def module(self) -> str:
@@ -129,6 +142,8 @@ _ARG_TARGETS = {
     "target_model": (("drafter", "target_tokenizer_model"), ("verifier", "target_model")),
     "scenario": (("emulator", "scenario"), ("verifier", "default_channel")),
     "autostart": (("drafter", "autostart"), ("verifier", "autostart")),
+    "scenarios": (),  # fleet: per robot, see resolve
+    "robots": (),  # fleet: how many, see node_specs
 }
 _BOOL_ARGS = {"autostart"}  # launch arguments given to the nodes as bool parameters
 _ARG_HELP = {
@@ -140,6 +155,9 @@ _ARG_HELP = {
     "robot_namespace": "namespace of the robot's nodes, into which the edge's link topics are remapped",
     "autostart": "true: drafter_node and verifier_node (lifecycle nodes) configure and activate themselves; "
                  "false: they wait unconfigured for a lifecycle manager; '' = the params files' (true)",
+    "robots": f"fleet: how many robots share the edge (1-{MAX_ROBOTS}); namespaces /robot1 ... /robotN",
+    "scenarios": "fleet: each robot's emulated channel, comma-separated in robot order (one name: every robot); "
+                 "'' = scenario (or the params file's)",
 }
 
 
@@ -148,10 +166,31 @@ def _check_configuration(configuration: str) -> None:
         raise ValueError(f"configuration {configuration!r} is not one of {', '.join(CONFIGURATIONS)}")
 
 
-def node_specs(configuration: str) -> tuple[NodeSpec, ...]:
-    """The nodes of ``configuration`` ("robot", "edge" or "system")."""
+def node_specs(configuration: str, robots: int = 2) -> tuple[NodeSpec, ...]:
+    """The nodes of ``configuration`` ("robot", "edge", "system" or "fleet" of ``robots`` robots)."""
     _check_configuration(configuration)
-    return _NODES[configuration]
+    if configuration != "fleet":
+        return _NODES[configuration]
+    if not 1 <= robots <= MAX_ROBOTS:
+        raise ValueError(f"launch argument robots: {robots} is outside [1, {MAX_ROBOTS}]")
+    specs = [_VERIFIER]
+    for i in range(1, robots + 1):
+        ns, edge_ns = f"/robot{i}", f"{EDGE_NS}/robot{i}"
+        specs += [dataclasses.replace(_DRAFTER, key=f"drafter{i}", namespace=ns, role="drafter"),
+                  dataclasses.replace(_MONITOR_ROBOT, key=f"monitor_robot{i}", namespace=ns, role="monitor_robot"),
+                  dataclasses.replace(_MONITOR_EDGE, key=f"monitor_edge{i}", namespace=edge_ns, role="monitor_edge"),
+                  dataclasses.replace(_EMULATOR, key=f"emulator{i}", namespace=f"/link{i}", role="emulator")]
+    return tuple(specs)
+
+
+def _fleet_size(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(f"launch argument robots: {value!r} is not a whole number (1-{MAX_ROBOTS})") from None
+    if not 1 <= n <= MAX_ROBOTS:
+        raise ValueError(f"launch argument robots: {n} is outside [1, {MAX_ROBOTS}]")
+    return n
 
 
 def config_dir() -> Path:
@@ -167,16 +206,19 @@ def config_dir() -> Path:
 
 def launch_arguments(configuration: str, config: Path | None = None) -> tuple[LaunchArgument, ...]:
     """The launch arguments of ``configuration`` with their defaults (all strings)."""
-    specs = node_specs(configuration)
-    keys = {s.key for s in specs}
+    specs = node_specs(configuration, robots=1)
+    keys = {s.role_key for s in specs}
     config = config_dir() if config is None else Path(config)
+    fleet = configuration == "fleet"
     args = [LaunchArgument(name, "", _ARG_HELP[name]) for name, targets in _ARG_TARGETS.items()
             if any(key in keys for key, _ in targets) and (name != "scenario" or "emulator" in keys)]
+    if fleet:
+        args += [LaunchArgument("robots", "2", _ARG_HELP["robots"]), LaunchArgument("scenarios", "", _ARG_HELP["scenarios"])]
     if configuration == "edge":
         args.append(LaunchArgument("robot_namespace", ROBOT_NS, _ARG_HELP["robot_namespace"]))
     for s in specs:
-        args.append(LaunchArgument(f"{s.key}_params_file", str(config / s.params_file),
-                                   f"parameter file of {s.full_name} ({s.executable})"))
+        where = f"every {s.role_key} node" if fleet and s.role else f"{s.full_name} ({s.executable})"
+        args.append(LaunchArgument(f"{s.role_key}_params_file", str(config / s.params_file), f"parameter file of {where}"))
     return tuple(args)
 
 
@@ -206,19 +248,46 @@ def resolve(configuration: str, arguments: dict[str, str] | None = None,
     if scenario and scenario not in SCENARIOS:
         raise ValueError(f"launch argument scenario: {scenario!r} is not one of {', '.join(SCENARIOS)}")
     robot_ns = _check_namespace(values["robot_namespace"]) if "robot_namespace" in values else None
+    n_robots = _fleet_size(values["robots"]) if "robots" in values else 1
+    per_robot: list[str] = []
+    if values.get("scenarios"):
+        per_robot = [x.strip() for x in values["scenarios"].split(",")]
+        bad = [x for x in per_robot if x not in SCENARIOS]
+        if bad or len(per_robot) not in (1, n_robots):
+            why = (f"{bad[0]!r} is not one of {', '.join(SCENARIOS)}" if bad
+                   else f"{len(per_robot)} names for {n_robots} robots (give one, or one per robot)")
+            raise ValueError(f"launch argument scenarios: {why}")
+        per_robot = per_robot * n_robots if len(per_robot) == 1 else per_robot
 
     nodes = []
-    for spec in node_specs(configuration):
-        params_file = Path(values[f"{spec.key}_params_file"]).expanduser()
+    for spec in node_specs(configuration, robots=n_robots):
+        params_file = Path(values[f"{spec.role_key}_params_file"]).expanduser()
         if not params_file.is_file():
-            raise ValueError(f"launch argument {spec.key}_params_file: {params_file} does not exist")
+            raise ValueError(f"launch argument {spec.role_key}_params_file: {params_file} does not exist")
         overrides = {param: _arg_value(arg, values[arg]) for arg, targets in _ARG_TARGETS.items()
-                     for key, param in targets if key == spec.key and values.get(arg)}
+                     for key, param in targets if key == spec.role_key and values.get(arg)}
+        if configuration == "fleet":
+            overrides.update(_fleet_overrides(spec, n_robots, per_robot))
         remaps = ()
         if robot_ns is not None and spec.side == "edge":
             remaps = tuple((t, f"{robot_ns}/{t}") for t in spec.link_topics)
         nodes.append(ResolvedNode(spec, str(params_file.resolve()), overrides, remaps))
     return nodes
+
+
+def _fleet_overrides(spec: NodeSpec, n_robots: int, scenarios: list[str]) -> dict:
+    """What makes the fleet's nodes one graph: the verifier serves every robot (its own topics and KV
+    sequence, all of them in one batch at most); each emulator joins its robot to the edge side."""
+    if spec.role_key == "verifier":
+        return {"robots": ",".join(f"robot{i}" for i in range(1, n_robots + 1)), "max_batch": n_robots,
+                "max_requests": max(16, 2 * n_robots)}  # kv_sessions auto: one sequence per robot (llama_cpp)
+    if spec.role_key == "emulator":
+        i = int(spec.key.removeprefix("emulator"))
+        out = {"robot_namespace": f"/robot{i}", "edge_namespace": f"{EDGE_NS}/robot{i}"}
+        if scenarios:
+            out["scenario"] = scenarios[i - 1]
+        return out
+    return {}
 
 
 def _arg_value(name: str, value: str):

@@ -118,7 +118,7 @@ class HiddenFetch:
         with self.cv:
             self.awaiting, self.reply = (rid, rnd), None
         self.sh["down"] += msg_bytes(msg)
-        node._request_pub.publish(msg)
+        node._request_pub[req.robot].publish(msg)
         with self.cv:
             self.cv.wait_for(lambda: self.reply is not None, timeout)
             reply, self.awaiting = self.reply, None

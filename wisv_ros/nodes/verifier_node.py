@@ -20,6 +20,11 @@ Topics (relative names; QoS ``common.RELIABLE_QOS``: reliable, keep-last 10, vol
              publisher, a user's node, a bag replay) incompatible, and its messages would be lost.
   publishes  ``verdict`` (Verdict), ``hidden_request`` (HiddenRequest), ``round_stats`` (RoundStats)
 
+A fleet (parameter ``robots``, e.g. ``robot1,robot2``): each robot gets these six topics under its
+name (``robot1/draft_block`` ...), so its verdicts and hidden-state requests go to it alone; the
+WISV head and ``tau_per_channel`` use the channel state of the block's own robot; a request belongs
+to the robot whose block opened it, and a block of another robot under its id is refused by name.
+
 SwitchSD copy mode (parameter ``copy``: off | ngram | probe): after a block, while the context's
 last ``copy_kappa`` tokens occurred earlier (and, with ``probe``, the copy probe fires), the edge
 verifies up to ``copy_width`` continuations of ``copy_depth`` tokens from the context in one tree
@@ -41,6 +46,7 @@ another head are refused with a verdict error starting ``head_id:`` (``wisv.head
 from __future__ import annotations
 
 import queue
+import re
 import threading
 import time
 
@@ -61,6 +67,36 @@ from wisv_ros.switchsd.copying import COPY_MODES
 __all__ = ["VerifierNode", "main"]
 
 METHODS = ("greedy", "reject", "wisv", "fly")
+ROBOT_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
+
+
+def parse_robots(text: str) -> list[str]:
+    """Parameter ``robots``: '' = one robot on the node's own topics ([""]); else comma-separated
+    names, each a ROS name component, no repeats."""
+    names = [n.strip() for n in str(text).split(",") if n.strip()]
+    if not names:
+        return [""]
+    bad = [n for n in names if not ROBOT_NAME.fullmatch(n)]
+    if bad or len(set(names)) != len(names):
+        why = f"{bad[0]!r} is not a ROS name (a letter, then letters, digits, _)" if bad else "a name repeats"
+        raise ValueError(f"parameter robots: {why}; give e.g. 'robot1,robot2' or '' for one robot")
+    return names
+
+
+def _of(robot: str) -> str:
+    return f" of {robot}" if robot else ""
+
+
+class _Block:
+    """A DraftBlock message and the robot whose topic it came on (message fields read through)."""
+
+    __slots__ = ("robot", "msg")
+
+    def __init__(self, robot: str, msg):
+        self.robot, self.msg = robot, msg
+
+    def __getattr__(self, name):
+        return getattr(self.msg, name)
 
 
 class VerifierNode(ServingNode):
@@ -88,13 +124,18 @@ class VerifierNode(ServingNode):
                 "candidates)", lo=16, hi=1 << 20)
         declare(self, "kv_sessions", 0, "requests whose KV state the target keeps side by side: switching between robots "
                 "then costs no prefill, and long contexts are prefilled in chunks (prefill_chunk); the cache grows to "
-                "kv_sessions x max_context tokens; 0 = auto (4 on llama_cpp, 1 on torch, which keeps one context)",
+                "kv_sessions x max_context tokens; 0 = auto (llama_cpp: one per robot of robots, at least 4; torch keeps one "
+                "context: 1)",
                 lo=0, hi=64)
         declare(self, "max_batch", 8, "blocks of different requests verified in one target pass at most (bounded by "
                 "kv_sessions; 1 = one block per pass): blocks that wait together share the pass", lo=1, hi=64)
         declare(self, "prefill_chunk", 128, "with kv_sessions > 1: a block whose context needs more than this many tokens "
                 "prefilled is fed a chunk at a time, and other requests' blocks are verified between two chunks (tokens; "
                 "0 = whole contexts at once, holding the target meanwhile)", lo=0, hi=1 << 20)
+        declare(self, "robots", "", "the robots this edge serves, comma-separated (e.g. 'robot1,robot2'): each gets "
+                "its own topics <robot>/draft_block, hidden_reply, channel_state (in) and <robot>/verdict, hidden_request, "
+                "round_stats (out), its own channel for the head, and only it may continue its requests; '' = one robot "
+                "on the node's own topics")
         declare(self, "max_queue", 64, "blocks waiting for the verification thread at most; a block beyond it is answered "
                 "'edge busy' at once and the drafter resends it later", lo=1, hi=100000)
         declare(self, "max_block", 256, "most draft tokens one block may carry (drafter_node allows k up to 256)", lo=1, hi=1024)
@@ -129,7 +170,7 @@ class VerifierNode(ServingNode):
             raise ValueError("parameter probe_path: copy=probe needs a probe file (.npz); set probe_path or use copy:=ngram")
         self.add_on_set_parameters_callback(frozen_after_start(
             {"target_model", "target_dtype", "threads", "channel_deadline_s", "head_path", "copy", "probe_path", "backend",
-             "max_context", "max_block", "tau_per_channel", "kv_sessions", "prefill_chunk"},
+             "max_context", "max_block", "tau_per_channel", "kv_sessions", "prefill_chunk", "robots"},
             {"method": METHODS, "default_channel": tuple(SCENARIOS)},
         ))
 
@@ -140,26 +181,33 @@ class VerifierNode(ServingNode):
         # DDS history of the two holds as many as the node's own queue (max_queue); beyond that the
         # drafter's timeout and resend, or an "edge busy" answer, make a loss visible.
         burst_qos = reliable_qos(max(QOS_DEPTH, int(self._param("max_queue"))))
-        self._verdict_pub = self.create_publisher(Verdict, "verdict", burst_qos)
-        self._request_pub = self.create_publisher(HiddenRequest, "hidden_request", RELIABLE_QOS)
-        self._stats_pub = self.create_publisher(RoundStats, "round_stats", RELIABLE_QOS)
-        self._blocks: queue.Queue = queue.Queue()  # (message, perf_counter at reception); max_queue bounds it
+        self._robots = parse_robots(self._param("robots"))  # ValueError names the parameter
+        self._verdict_pub, self._request_pub, self._stats_pub = {}, {}, {}
+        for robot in self._robots:  # '' = the node's own namespace: one robot
+            pre = f"{robot}/" if robot else ""
+            self._verdict_pub[robot] = self.create_publisher(Verdict, pre + "verdict", burst_qos)
+            self._request_pub[robot] = self.create_publisher(HiddenRequest, pre + "hidden_request", RELIABLE_QOS)
+            self._stats_pub[robot] = self.create_publisher(RoundStats, pre + "round_stats", RELIABLE_QOS)
+            self.create_subscription(DraftBlock, pre + "draft_block",
+                                     lambda m, r=robot: self._queue_block(m, r), burst_qos)
+            self.create_subscription(HiddenReply, pre + "hidden_reply", lambda m: self._hiddens.offer(m), RELIABLE_QOS)
+            self.create_subscription(ChannelState, pre + "channel_state",
+                                     lambda m, r=robot: self._on_channel_state(m, r), RELIABLE_QOS)
+        self._blocks: queue.Queue = queue.Queue()  # (robot, message, perf_counter at reception); max_queue bounds it
         self._busy = 0  # blocks answered "edge busy"
         self._prefill = PrefillQueue(int(self._param("prefill_chunk")))  # verification thread only
         self._ready: list = []  # (BlockRequest, message, reception time) waiting for a target pass
-        self.create_subscription(DraftBlock, "draft_block", self._queue_block, burst_qos)
-        self.create_subscription(HiddenReply, "hidden_reply", lambda m: self._hiddens.offer(m), RELIABLE_QOS)
-        self.create_subscription(ChannelState, "channel_state", self._on_channel_state, RELIABLE_QOS)
+        self._robot_now = self._robots[0]  # the robot of the block being decided (whose channel the head sees)
         deadline = float(self._param("channel_deadline_s"))
-        self._channel_at = time.monotonic()  # the deadline runs from the start
-        self._channel_silent = False
+        self._channel_at = {r: time.monotonic() for r in self._robots}  # the deadline runs from the start
+        self._channel_silent = {r: False for r in self._robots}
         if deadline > 0:
             self.create_timer(deadline / 4, self._check_channel_deadline)
 
         self._edge: EdgeSessions | None = None
         self._round_log = None  # roundlog.RoundLog while loaded, when round_log is set
         self._load_error: str | None = None
-        self._channel: LinkChannel | None = None  # latest channel state (input of the WISV head)
+        self._channel: dict[str, LinkChannel] = {}  # latest channel state per robot (input of the WISV head)
         self._hiddens = HiddenFetch(self)  # SH: drafter hiddens on request
         self._verify_thread = threading.Thread(target=self._verify_loop, name="verify", daemon=True)
         self._verify_thread.start()
@@ -173,9 +221,10 @@ class VerifierNode(ServingNode):
         return max(1, min(int(self._param("max_batch")), self.kv_sessions()))
 
     def kv_sessions(self) -> int:
-        """The KV sequences of the target: parameter kv_sessions, 0 = 4 on llama_cpp, else 1."""
+        """The KV sequences of the target: parameter kv_sessions; 0 = auto: on llama_cpp one per robot
+        of ``robots`` and at least 4, else 1."""
         kv = int(self._param("kv_sessions"))
-        return kv if kv > 0 else (4 if self._backend == "llama_cpp" else 1)
+        return kv if kv > 0 else (max(4, len(self._robots)) if self._backend == "llama_cpp" else 1)
 
     def _release(self) -> None:
         self._edge = None  # the target and every request's session
@@ -228,7 +277,7 @@ class VerifierNode(ServingNode):
                                       copy_max_rounds=int(self._param("copy_max_rounds")), round_log=self._round_log,
                                       max_context=int(self._param("max_context")), max_block=int(self._param("max_block")),
                                       channel_tau=(None if self._tau_schedule is None else
-                                                   lambda: self._tau_schedule.tau_for(self._channel_state())))
+                                                   lambda req: self._tau_schedule.tau_for(self._channel_state(req.robot))))
             self.get_logger().info(f"target {spec} ({backend}, {dtype}) loaded and warmed up in {time.perf_counter() - t0:.1f} s"
                                    + head_note)
             return True
@@ -247,31 +296,35 @@ class VerifierNode(ServingNode):
         return torch.ones(len(positions))
 
     # ------------------------------------------------------------------ channel state
-    def _on_channel_state(self, msg) -> None:
+    def _on_channel_state(self, msg, robot: str = "") -> None:
         try:
-            self._channel = LinkChannel(rate_bps=msg.rate_bps, per=msg.per, rtt_s=msg.rtt_s)
+            self._channel[robot] = LinkChannel(rate_bps=msg.rate_bps, per=msg.per, rtt_s=msg.rtt_s)
         except (TypeError, ValueError) as exc:
-            self.get_logger().warning(f"ignoring channel_state: {exc}")
+            self.get_logger().warning(f"ignoring channel_state{_of(robot)}: {exc}")
             return
-        self._channel_at = time.monotonic()
-        if self._channel_silent:
-            self._channel_silent = False
-            self.get_logger().info("channel_state is arriving again")
+        self._channel_at[robot] = time.monotonic()
+        if self._channel_silent[robot]:
+            self._channel_silent[robot] = False
+            self.get_logger().info(f"channel_state{_of(robot)} is arriving again")
 
     def _check_channel_deadline(self) -> None:
         deadline = float(self._param("channel_deadline_s"))
-        silent_s = time.monotonic() - self._channel_at
-        if silent_s > deadline and not self._channel_silent:
-            self._channel_silent = True
-            self.get_logger().warning(
-                f"channel_state deadline missed: none for {silent_s:.2f} s (deadline {deadline} s); "
-                + ("the WISV head keeps the last channel state" if self._channel is not None
-                   else f"the WISV head assumes {self._param('default_channel')}")
-            )
+        for robot in self._robots:
+            silent_s = time.monotonic() - self._channel_at[robot]
+            if silent_s > deadline and not self._channel_silent[robot]:
+                self._channel_silent[robot] = True
+                self.get_logger().warning(
+                    f"channel_state{_of(robot)} deadline missed: none for {silent_s:.2f} s (deadline {deadline} s); "
+                    + ("the WISV head keeps the last channel state" if robot in self._channel
+                       else f"the WISV head assumes {self._param('default_channel')}")
+                )
 
-    def _channel_state(self) -> LinkChannel:
-        """The channel the WISV head sees: the latest channel_state, else ``default_channel``."""
-        return self._channel if self._channel is not None else SCENARIOS[self._param("default_channel")]
+    def _channel_state(self, robot: str | None = None) -> LinkChannel:
+        """The channel the WISV head sees for ``robot`` (default: the robot of the block being
+        decided): its latest channel_state, else ``default_channel``."""
+        robot = self._robot_now if robot is None else robot
+        got = self._channel.get(robot)
+        return got if got is not None else SCENARIOS[self._param("default_channel")]
 
     # ------------------------------------------------------------------ blocks
     def destroy_node(self) -> None:
@@ -284,13 +337,13 @@ class VerifierNode(ServingNode):
         self._verify_thread.join(timeout=30.0)
         super().destroy_node()
 
-    def _queue_block(self, msg) -> None:
+    def _queue_block(self, msg, robot: str = "") -> None:
         """The draft_block callback: queue the block for the verification thread, or, with
         ``max_queue`` blocks waiting already, answer at once that the edge is busy (the drafter
         resends later; nothing is dropped without a word)."""
         waiting, limit = self._blocks.qsize(), int(self._param("max_queue"))
         if waiting < limit:
-            self._blocks.put((msg, time.perf_counter()))
+            self._blocks.put((_Block(robot, msg), time.perf_counter()))
             return
         reply = EdgeReply(msg.request_id, int(msg.round_id),
                           error=f"{EDGE_BUSY}: {waiting} blocks queued (max_queue {limit}); resend later")
@@ -298,14 +351,14 @@ class VerifierNode(ServingNode):
         if self._busy == 1 or self._busy % 100 == 0:
             self.get_logger().warning(f"request {msg.request_id} round {msg.round_id}: {reply.error} "
                                       f"({self._busy} blocks answered busy so far)")
-        self._publish_verdict(reply)
+        self._publish_verdict(reply, robot)
 
-    def _publish_verdict(self, reply: EdgeReply):
+    def _publish_verdict(self, reply: EdgeReply, robot: str = ""):
         """Publish ``reply`` as a stamped Verdict; returns the message."""
         out = self._Verdict()
         stamp_now(self, out.header)
         fill_verdict(out, reply)
-        self._verdict_pub.publish(out)
+        self._verdict_pub[robot].publish(out)
         return out
 
     def _verify_loop(self) -> None:
@@ -364,7 +417,8 @@ class VerifierNode(ServingNode):
             self._answer(msg, t_recv, self._not_loaded(msg))
             return
         try:
-            req = read_block(msg, edge.lm.vocab_size)
+            req = read_block(msg.msg, edge.lm.vocab_size)
+            req.robot = msg.robot
         except WireError as exc:
             self._answer(msg, t_recv, EdgeReply(msg.request_id, int(msg.round_id), error=str(exc)))
             return
@@ -413,6 +467,7 @@ class VerifierNode(ServingNode):
             for (req, msg, t), rnd in zip(batch, rounds):
                 def one(m, tt, rnd=rnd):
                     sh = self._hiddens.new_round()
+                    self._robot_now = m.robot  # the head sees this robot's channel
                     self._answer(m, tt, edge.complete(rnd, self._hiddens.fetch), sh)
                 self._guarded(one, msg, t)
 
@@ -425,7 +480,7 @@ class VerifierNode(ServingNode):
             self.get_logger().warning(f"request {msg.request_id} round {msg.round_id}: {reply.error}")
         else:
             reply.edge_time_s = max(0.0, time.perf_counter() - t_recv - sh["wait_s"])
-        out = self._publish_verdict(reply)
+        out = self._publish_verdict(reply, msg.robot)
         if not reply.error and not reply.resent:
             self._publish_stats(msg, reply, out, sh, uplink_s, time.perf_counter() - t_recv)
 
@@ -438,14 +493,14 @@ class VerifierNode(ServingNode):
         stats.request_id, stats.round_id = msg.request_id, msg.round_id
         stats.drafted, stats.accepted = len(msg.token_ids), v.accepted
         stats.committed, stats.mismatches = len(v.committed_ids), len(v.mismatches)
-        stats.uplink_bytes = msg_bytes(msg) + sh["up"]
+        stats.uplink_bytes = msg_bytes(msg.msg) + sh["up"]
         stats.downlink_bytes = msg_bytes(verdict_msg) + sh["down"]
         stats.draft_time_s = msg.draft_time_s
         stats.comm_time_s = uplink_s + sh["wait_s"]  # uplink by the stamps + SH exchange
         stats.target_time_s, stats.head_time_s = v.target_time_s, v.head_time_s
         stats.round_time_s = uplink_s + edge_s
         stats.protocol = protocol
-        self._stats_pub.publish(stats)
+        self._stats_pub[msg.robot].publish(stats)
         for c in reply.copies:
             cs = self._RoundStats()
             cs.header = stats.header
@@ -455,7 +510,7 @@ class VerifierNode(ServingNode):
             cs.target_time_s = cs.round_time_s = c.target_time_s
             cs.protocol = protocol
             cs.copy_round = True
-            self._stats_pub.publish(cs)
+            self._stats_pub[msg.robot].publish(cs)
 
 
 def main(args=None) -> None:

@@ -124,6 +124,7 @@ class BlockRequest:
     draft_time_s: float = 0.0
     copy_budget: int = 0
     head_id: str = ""
+    robot: str = ""  # edge side only (not on the wire): the robot whose topics the block came on
 
     def key(self) -> tuple:
         """What identifies a resend of the same block."""
@@ -176,6 +177,7 @@ class _Session:
     staged: tuple | None = None  # key of the block whose context ``prefill`` feeds ahead of its ``begin``
     prefill_tokens: int = 0  # context tokens fed by ``prefill`` since the last verdict (counted in it)
     prefill_s: float = 0.0
+    robot: str = ""  # the robot that opened the request; only it may continue it
 
 
 @dataclasses.dataclass
@@ -212,8 +214,12 @@ class EdgeSessions:
             reply projected by another head is refused (``HeadMismatch``, the error names
             ``head_id``).
         fly_entropy, fly_window: method fly's entropy gate and deferred window (``acceptance.fly_accept``).
-        channel_tau: τ per channel (``link.channel.TauSchedule``): called for every wisv block, its
-            value replaces the block's own ``tau`` (None: the block's tau holds).
+        channel_tau: τ per channel (``link.channel.TauSchedule``): called with every wisv block
+            (``BlockRequest``: its ``robot`` names whose channel), its value replaces the block's own
+            ``tau`` (None: the block's tau holds).
+
+    A request belongs to the robot whose block opened it (``BlockRequest.robot``, the verifier's
+    per-robot topics): a block of another robot under the same request id is refused by name.
     """
 
     def __init__(self, lm: CausalLM, *, method: Method = Method.GREEDY, judge: Judge | None = None,
@@ -221,7 +227,7 @@ class EdgeSessions:
                  verifier_for: Callable[[], Verifier] | None = None,
                  round_log: Callable[[RoundRecord], None] | None = None,
                  max_context: int = 8192, max_block: int = 256, head_id: str | None = None, fly_entropy: float = 0.6, fly_window: int = 6,
-                 channel_tau: Callable[[], float] | None = None):
+                 channel_tau: Callable[[BlockRequest], float] | None = None):
         if max_context < 2 or max_block < 1:
             raise ValueError(f"max_context must be >= 2 and max_block >= 1 (got {max_context}, {max_block})")
         self.max_context = max_context
@@ -338,7 +344,8 @@ class EdgeSessions:
     def _prepare(self, req: BlockRequest) -> tuple[_Session, DraftBlock] | EdgeReply:
         """A resend's kept reply, a refusal, or the block's session (the round taken) and core block."""
         session = self._sessions.get(req.request_id)
-        if session is not None and session.last_reply is not None and session.last_key == req.key():
+        if (session is not None and session.last_reply is not None and session.last_key == req.key()
+                and session.robot == req.robot):  # (another robot's copy is refused by _admit)
             return dataclasses.replace(session.last_reply, resent=True)
         try:
             session, method = self._admit(req)
@@ -351,7 +358,7 @@ class EdgeSessions:
         tau = float(req.tau)
         if method == Method.WISV and self.channel_tau is not None:
             try:
-                tau = float(self.channel_tau())
+                tau = float(self.channel_tau(req))
             except Exception as exc:  # noqa: BLE001 - a block never takes the edge down
                 return self._remember(session, self._error(req, exc))
         v.method, v.tau, v.copy = method, tau, self.copy
@@ -400,7 +407,7 @@ class EdgeSessions:
         if chunk <= 0 or getattr(self.lm, "n_sessions", 1) <= 1:
             return 0
         session = self._sessions.get(req.request_id)
-        if session is not None and session.last_key == req.key():
+        if session is not None and session.last_key == req.key() and session.robot == req.robot:
             return 0  # a resend: begin answers it
         if req.context_ids and (session is None or session.staged != req.key()):
             try:
@@ -408,8 +415,8 @@ class EdgeSessions:
             except (BlockError, HeadMismatch) as exc:
                 return EdgeReply(req.request_id, req.round_id, error=str(exc))
             session.staged = req.key()
-        elif session is None or session.pending:
-            return 0  # an unknown request (begin says so), or one between its two phases
+        elif session is None or session.pending or session.robot != req.robot:
+            return 0  # unknown, another robot's (begin refuses both), or between its two phases
         try:
             self._bind(session)
             todo = self.lm.sync(session.verifier.context)  # rolls back what the sequence holds beyond it
@@ -527,6 +534,8 @@ class EdgeSessions:
             self._check_probs(req.draft_probs, req.token_ids, vocab)
         rid, rnd = req.request_id, req.round_id
         session = self._sessions.get(rid)
+        if session is not None and session.robot != req.robot:
+            raise BlockError(f"request_id: {rid} belongs to another robot's request; a robot continues only its own")
         if req.context_ids and not (session is not None and session.staged == req.key()):
             # (a session staged by ``prefill`` for this very block holds its context already)
             self._check_ids("context_ids", req.context_ids, vocab)
@@ -540,7 +549,7 @@ class EdgeSessions:
                 verifier = Verifier(self.lm, method, temperature=req.temperature or 1.0, tau=req.tau, judge=self.judge,
                                     seed=self.seed)
             verifier.begin(req.context_ids)
-            session = _Session(verifier, rnd - 1)
+            session = _Session(verifier, rnd - 1, robot=req.robot)
             self._sessions[rid] = session
             while len(self._sessions) > self.max_requests:
                 _, old = self._sessions.popitem(last=False)
