@@ -40,7 +40,7 @@ class NodeProcess:
 
     def __init__(self, kind: str, ns: str, log_dir: Path, **params):
         self.kind = kind
-        self.log = log_dir / f"{ns.strip('/')}_{kind}_{uuid.uuid4().hex[:6]}.log"
+        self.log = log_dir / f"{ns.strip('/').replace('/', '_')}_{kind}_{uuid.uuid4().hex[:6]}.log"
         cmd = [sys.executable, "-m", f"wisv_ros.nodes.{kind}", "--ros-args", "-r", f"__ns:={ns}"]
         params.setdefault("threads", 1)
         for name, value in params.items():
@@ -532,6 +532,76 @@ def test_a_long_prompt_does_not_hold_another_robots_rounds(ros, tmp_path):
             ([round(m.round_time_s, 3) for m in during], long_stats.round_time_s)
     finally:
         pair.close()
+
+
+def test_a_robot_flooding_the_edge_with_requests_does_not_slow_another_robot(ros, tmp_path, target_lm):
+    """A fleet edge (robots robot1, robot2; at most 4 requests kept): robot2 opens a new request
+    every 5 ms while robot1 answers a goal. robot1's request is never pushed out (no context resend),
+    its answer is the target's own, and its time per round stays under twice its unloaded value
+    (plus 20 ms of scheduling slack); robot2's surplus is answered 'edge busy' or verified, never lost."""
+    from wisv_ros.msg import DraftBlock, Verdict
+
+    ns = "/nodes_flood"
+    verifier = NodeProcess("verifier_node", ns, tmp_path, target_model=TARGET, target_dtype="float32",
+                           robots="robot1,robot2", max_requests=4, max_queue=16)
+    drafter = NodeProcess("drafter_node", f"{ns}/robot1", tmp_path, drafter_model=DRAFTER, min_confidence=0.0)
+    client = GenerateClient(ros, f"{ns}/robot1/generate")
+    flood_pub = ros.create_publisher(DraftBlock, f"{ns}/robot2/draft_block", RELIABLE_QOS)
+    flood_verdicts = Topic(ros, Verdict, f"{ns}/robot2/verdict")
+    n = 60
+
+    def goal():
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            try:
+                out = client.start(PROMPT, max_new_tokens=n, k=2).outcome(GOAL_TIMEOUT)
+                if "loading" not in out.result.error:
+                    return out
+            except (RuntimeError, TimeoutError):
+                pass
+            assert time.monotonic() < deadline, drafter.tail() + verifier.tail()
+            time.sleep(0.5)
+
+    try:
+        assert client.wait_for_server(START_TIMEOUT), drafter.tail()
+        base = goal()
+        assert base.status_name == "succeeded", base.result.error + verifier.tail()
+        unloaded = base.result.round_trip_s / base.result.rounds
+        stop, sent = threading.Event(), []
+
+        def flood():
+            while not stop.is_set():
+                msg = DraftBlock()
+                msg.request_id, msg.round_id = f"flood-{len(sent)}", 0
+                msg.token_ids, msg.k = [1], 1
+                msg.context_ids = PROMPT_IDS
+                msg.prefix_length = len(PROMPT_IDS)
+                flood_pub.publish(msg)
+                sent.append(msg.request_id)
+                stop.wait(0.005)
+
+        thread = threading.Thread(target=flood, daemon=True)
+        thread.start()
+        try:
+            out = goal()
+        finally:
+            stop.set()
+            thread.join(10.0)
+        assert out.status_name == "succeeded", out.result.error + verifier.tail()
+        assert list(out.result.token_ids) == reference(target_lm, n)
+        loaded = out.result.round_trip_s / out.result.rounds
+        assert loaded < 2 * unloaded + 0.02, (loaded, unloaded, len(sent))
+        log = verifier.log.read_text(errors="replace")
+        assert "unknown request" not in log  # robot1's request was never pushed out
+        answered = flood_verdicts.wait_for(lambda m: m.request_id == sent[-1], 30.0)
+        assert answered is not None, verifier.tail()
+        assert len(sent) >= 100 and len({m.request_id for m in flood_verdicts.msgs}) == len(sent)
+    finally:
+        client.client.destroy()
+        ros.destroy_publisher(flood_pub)
+        ros.destroy_subscription(flood_verdicts.sub)
+        drafter.stop()
+        verifier.stop()
 
 
 def test_invalid_goal_is_aborted_with_the_reason(pair):

@@ -335,3 +335,25 @@ def test_robot_policy_names_a_bad_field(field, value, text):
     with pytest.raises(ValueError) as err:
         RobotPolicy(**{field: value})
     assert text in str(err.value)
+
+
+def test_a_robot_with_many_requests_crowds_out_only_itself(target):
+    """Eviction beyond max_requests takes the least recently used request of the robot holding the
+    most, and a target pass takes every robot's oldest block before a second block of any robot."""
+    from wisv_ros.sd.rounds import pick_batch
+
+    edge = EdgeSessions(target, max_requests=3)
+    assert not edge.handle(BlockRequest("calm", 0, len(PROMPT), [1], k=1, context_ids=list(PROMPT), robot="robot1")).error
+    for i in range(5):  # robot2 opens five requests
+        assert not edge.handle(BlockRequest(f"flood{i}", 0, len(PROMPT), [1], k=1, context_ids=list(PROMPT),
+                                            robot="robot2")).error
+    assert edge.context("calm") is not None  # robot1's request survived
+    assert [rid for rid in ("flood0", "flood1", "flood2", "flood3", "flood4") if edge.context(rid) is not None] == \
+        ["flood3", "flood4"]
+    ready = [(BlockRequest(f"f{i}", 0, 1, [1], k=1, robot="robot2"),) for i in range(6)]
+    ready.insert(4, (BlockRequest("c", 0, 1, [1], k=1, robot="robot1"),))
+    rest, batch = pick_batch(ready, 3)
+    assert [q.request_id for q, in batch] == ["f0", "f1", "c"]  # robot1's block rides in the first pass
+    assert [q.request_id for q, in rest] == ["f2", "f3", "f4", "f5"]
+    dup = [(BlockRequest("x", 0, 1, [1], k=1),), (BlockRequest("x", 1, 2, [1], k=1),)]
+    assert [len(part) for part in pick_batch(dup, 8)] == [1, 1]  # one block of a request per pass

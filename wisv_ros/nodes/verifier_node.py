@@ -45,6 +45,7 @@ another head are refused with a verdict error starting ``head_id:`` (``wisv.head
 """
 from __future__ import annotations
 
+import collections
 import queue
 import re
 import threading
@@ -60,7 +61,7 @@ from wisv_ros.nodes.common import (QOS_DEPTH, RELIABLE_QOS, ServingNode, declare
                                     run_node, stamp_age_s, stamp_now)
 from wisv_ros.sd.engines import BACKENDS, load_lm, resolve_backend
 from wisv_ros.sd.models import WEIGHT_DTYPES, resolve_dtype
-from wisv_ros.sd.rounds import EDGE_BUSY, EDGE_LOADING, EdgeReply, EdgeSessions, PrefillQueue
+from wisv_ros.sd.rounds import EDGE_BUSY, EDGE_LOADING, EdgeReply, EdgeSessions, PrefillQueue, pick_batch
 from wisv_ros.sd.verification import Method
 from wisv_ros.switchsd.copying import COPY_MODES
 
@@ -195,6 +196,8 @@ class VerifierNode(ServingNode):
                                      lambda m, r=robot: self._on_channel_state(m, r), RELIABLE_QOS)
         self._blocks: queue.Queue = queue.Queue()  # (robot, message, perf_counter at reception); max_queue bounds it
         self._busy = 0  # blocks answered "edge busy"
+        self._waiting = collections.Counter()  # blocks per robot in the queue (executor +, verification thread -)
+        self._wait_lock = threading.Lock()
         self._prefill = PrefillQueue(int(self._param("prefill_chunk")))  # verification thread only
         self._ready: list = []  # (BlockRequest, message, reception time) waiting for a target pass
         self._robot_now = self._robots[0]  # the robot of the block being decided (whose channel the head sees)
@@ -342,11 +345,16 @@ class VerifierNode(ServingNode):
         ``max_queue`` blocks waiting already, answer at once that the edge is busy (the drafter
         resends later; nothing is dropped without a word)."""
         waiting, limit = self._blocks.qsize(), int(self._param("max_queue"))
-        if waiting < limit:
-            self._blocks.put((_Block(robot, msg), time.perf_counter()))
-            return
-        reply = EdgeReply(msg.request_id, int(msg.round_id),
-                          error=f"{EDGE_BUSY}: {waiting} blocks queued (max_queue {limit}); resend later")
+        share = max(1, limit // len(self._robots))  # in a fleet no robot takes the others' places
+        with self._wait_lock:
+            mine = self._waiting[robot]
+            if waiting < limit and mine < share:
+                self._waiting[robot] += 1
+                self._blocks.put((_Block(robot, msg), time.perf_counter()))
+                return
+        why = (f"{waiting} blocks queued (max_queue {limit})" if waiting >= limit else
+               f"{mine} blocks of {robot} queued (its share of max_queue {limit}: {share})")
+        reply = EdgeReply(msg.request_id, int(msg.round_id), error=f"{EDGE_BUSY}: {why}; resend later")
         self._busy += 1
         if self._busy == 1 or self._busy % 100 == 0:
             self.get_logger().warning(f"request {msg.request_id} round {msg.round_id}: {reply.error} "
@@ -381,6 +389,8 @@ class VerifierNode(ServingNode):
             for item in items:
                 if item is None:
                     return
+                with self._wait_lock:
+                    self._waiting[item[0].robot] -= 1
                 self._guarded(self._on_block, *item)
             self._serve_ready()
             if len(self._prefill):
@@ -452,14 +462,7 @@ class VerifierNode(ServingNode):
                     self._guarded(lambda m, tt: self._answer(m, tt, self._not_loaded(m)), msg, t)
                 self._ready.clear()
                 return
-            batch, rest, seen = [], [], set()
-            for item in self._ready:
-                if item[0].request_id in seen or len(batch) >= self._max_batch:
-                    rest.append(item)
-                else:
-                    batch.append(item)
-                    seen.add(item[0].request_id)
-            self._ready = rest
+            self._ready, batch = pick_batch(self._ready, self._max_batch)
             try:
                 rounds = edge.begin_many([req for req, _, _ in batch])
             except Exception as exc:  # noqa: BLE001 - never ends the thread; every block of the pass is answered

@@ -82,6 +82,7 @@ __all__ = [
     "clip",
     "generate",
     "generate_target_only",
+    "pick_batch",
     "protocol_chooser",
 ]
 
@@ -199,7 +200,8 @@ class EdgeSessions:
         judge: the WISV decision head (``verification.Judge``); None = wisv rejects every mismatch.
         copy: SwitchSD copy mode after each block (None = off).
         seed: seeds rejection sampling (per request).
-        max_requests: requests whose session is kept (oldest dropped first).
+        max_requests: requests whose session is kept (beyond: the least recently used request of the
+            robot holding the most is dropped).
         copy_max_rounds: copy rounds after one block at most.
         verifier_for: makes the ``Verifier`` of a new request (default: one over ``lm`` with the
             arguments above); ``generate`` hands in its caller's verifier this way.
@@ -552,9 +554,7 @@ class EdgeSessions:
             session = _Session(verifier, rnd - 1, robot=req.robot)
             self._sessions[rid] = session
             while len(self._sessions) > self.max_requests:
-                _, old = self._sessions.popitem(last=False)
-                if old.slot is not None:
-                    self.lm.drop(old.slot)
+                self._evict()
         elif session is None:
             raise BlockError(f"{UNKNOWN_REQUEST} {rid}: resend context")
         if rnd <= session.last_round:
@@ -564,6 +564,19 @@ class EdgeSessions:
                              f"{len(session.verifier.context)} on the verifier")
         self._sessions.move_to_end(rid)
         return session, method
+
+    def _evict(self) -> None:
+        """Forget one session: the least recently used of the robot that holds the most (so that a
+        robot opening many requests pushes out its own, not another robot's), never one between its
+        two phases."""
+        counts = collections.Counter(s.robot for s in self._sessions.values())
+        top = max(counts.values())
+        rid = next((r for r, s in self._sessions.items() if counts[s.robot] == top and not s.pending), None)
+        if rid is None:
+            rid = next(r for r, s in self._sessions.items() if not s.pending)
+        old = self._sessions.pop(rid)
+        if old.slot is not None:
+            self.lm.drop(old.slot)
 
     @staticmethod
     def _check_probs(probs: np.ndarray | None, token_ids: Sequence[int], vocab: int) -> None:
@@ -662,6 +675,23 @@ class PrefillQueue:
             self._kept[key] = (req, payload)
             return []
         return [(req, payload, None)]
+
+
+def pick_batch(ready: list, max_batch: int) -> tuple[list, list]:
+    """Split ready ``(BlockRequest, ...)`` items, oldest first, into (the rest, one target pass):
+    first the oldest block of every robot (so that a robot with many requests cannot crowd the
+    others out of a pass), then the oldest others, at most ``max_batch`` blocks and one per request."""
+    batch, ids, robots = [], set(), set()
+    for rule in ("one per robot", "fill"):
+        for item in ready:
+            req = item[0]
+            if len(batch) >= max_batch or req.request_id in ids or (rule == "one per robot" and req.robot in robots):
+                continue
+            batch.append(item)
+            ids.add(req.request_id)
+            robots.add(req.robot)
+    taken = {id(item) for item in batch}
+    return [item for item in ready if id(item) not in taken], sorted(batch, key=ready.index)
 
 
 # =========================================================================== robot side
