@@ -18,8 +18,10 @@ import importlib.util
 import os
 import re
 import signal
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import types
@@ -118,6 +120,7 @@ def _from_launch(kw: dict) -> dict:
         "parameters": {k: v.value if isinstance(v, _ParameterValue) else v for k, v in overrides.items()},
         "string_typed": {k for k, v in overrides.items() if isinstance(v, _ParameterValue) and v.kwargs.get("value_type") is str},
         "remappings": list(kw["remappings"]),
+        **({"enclave": kw["ros_arguments"][1], "env": kw["additional_env"]} if "ros_arguments" in kw else {}),
     }
 
 
@@ -146,6 +149,8 @@ def _from_command(cmd: list[str]) -> dict:
                 out["namespace"] = dst
             else:
                 out["remappings"].append((src, dst))
+        elif flag == "--enclave":
+            out["enclave"] = value
         else:
             raise AssertionError(f"unexpected flag {flag} in {cmd}")
     return out
@@ -595,5 +600,71 @@ def test_pip_launcher_runs_a_fleet_of_two_robots_on_one_edge(ros_node, tmp_path)
         assert [v.round_id for v in verdicts["robot1"] if v.request_id == "shared-id"] == [0]
         for c in clients:
             c.client.destroy()
+    finally:
+        launch.stop()
+
+
+def _keystore(root: Path, configuration: str, robots: int = 2) -> Path:
+    """A keystore's layout (enclaves/<node>/ folders) for the nodes of ``configuration``."""
+    for spec in graph.node_specs(configuration, robots=robots):
+        (root / "enclaves" / spec.full_name.lstrip("/")).mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def test_a_keystore_puts_every_node_in_its_enclave(tmp_path, monkeypatch):
+    """keystore:=<dir>: both launch routes run each node in the enclave of its full name with
+    security enforced; a keystore or an enclave that is missing is refused with the command that
+    makes it."""
+    ks = _keystore(tmp_path / "ks", "fleet")
+    args = {"robots": "2", "keystore": str(ks)}
+    _, launch_nodes = load_launch_file("fleet", monkeypatch, args)
+    commands = build_commands("fleet", args, python="python")
+    env = {"ROS_SECURITY_KEYSTORE": str(ks.resolve()), "ROS_SECURITY_ENABLE": "true", "ROS_SECURITY_STRATEGY": "Enforce"}
+    for kw, (node, cmd) in zip(launch_nodes, commands):
+        assert _from_launch(kw)["enclave"] == _from_command(cmd)["enclave"] == node.spec.full_name
+        assert kw["additional_env"] == dict(node.env) == env
+    with pytest.raises(ValueError, match=re.escape("ros2 security create_keystore")):
+        graph.resolve("system", {"keystore": str(tmp_path / "none")})
+    with pytest.raises(ValueError, match=re.escape(f"has no enclave /robot3/drafter_node; make it with `ros2 security "
+                                                   f"create_enclave {ks} /robot3/drafter_node`")):
+        graph.resolve("fleet", {"robots": "3", "keystore": str(ks)})
+
+
+def _middleware_security() -> str:
+    """'' when this middleware can run secure nodes; else why not (the error it gives)."""
+    probe = Path(tempfile.mkdtemp())
+    (probe / "enclaves" / "probe").mkdir(parents=True)
+    env = dict(os.environ, ROS_SECURITY_ENABLE="true", ROS_SECURITY_STRATEGY="Enforce", ROS_SECURITY_KEYSTORE=str(probe))
+    code = "import rclpy; rclpy.init(args=['--ros-args', '--enclave', '/probe']); rclpy.create_node('probe')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    text = out.stdout + out.stderr
+    if "doesn't have the security libraries" in text:
+        return "the middleware has no DDS security: " + text.strip().splitlines()[-2].strip()
+    return ""
+
+
+def test_the_secure_graph_answers_where_the_middleware_has_security(ros_node, tmp_path):
+    """With a real keystore (``ros2 security``) the system graph runs secured and answers a goal.
+    The Fast DDS wheels on PyPI are built without the security plugins: there this skips, saying so."""
+    why = _middleware_security()
+    if why:
+        pytest.skip(why)
+    if shutil.which("ros2") is None:
+        pytest.skip("no ros2 CLI (sros2) here to create a keystore")
+    ks = tmp_path / "ks"
+    subprocess.run(["ros2", "security", "create_keystore", str(ks)], check=True, timeout=120)
+    for enclave in [spec.full_name for spec in graph.node_specs("system")] + ["/robot/ask"]:
+        subprocess.run(["ros2", "security", "create_enclave", str(ks), enclave], check=True, timeout=120)
+    launch = LaunchProcess(["system", f"drafter_model:={DRAFTER}", f"target_model:={TARGET}", f"keystore:={ks}",
+                            "--set", "verifier.target_dtype:=float32"], tmp_path / "launch.log")
+    try:
+        assert launch.wait_for(r"started link_emulator", 30.0), launch.text()
+        out = subprocess.run([sys.executable, "-m", "wisv_ros.cli.ask", "--prompt", " ".join(map(str, PROMPT_IDS)),
+                              "--max-new-tokens", "8", "--wait", "60", "--timeout", "120"],
+                             capture_output=True, text=True, timeout=240,
+                             env=dict(os.environ, ROS_SECURITY_ENABLE="true", ROS_SECURITY_STRATEGY="Enforce",
+                                      ROS_SECURITY_KEYSTORE=str(ks), ROS_SECURITY_ENCLAVE_OVERRIDE="/robot/ask"))
+        assert out.returncode == 0, out.stdout + out.stderr + launch.text()
+        assert out.stdout.splitlines()[0].split()  # the answer's tokens came back through the secured graph
     finally:
         launch.stop()

@@ -152,8 +152,9 @@ class Launcher:
             self._spawn(node.spec.full_name.lstrip("/"), cmd)
 
     def _spawn(self, label: str, cmd: list[str]) -> subprocess.Popen:
+        node = next((n for n, c in self.commands if n.spec.full_name.lstrip("/") == label), None)
         env = dict(os.environ, PYTHONUNBUFFERED="1", RCUTILS_LOGGING_BUFFERED_STREAM="1",
-                   RCUTILS_COLORIZED_OUTPUT="0")
+                   RCUTILS_COLORIZED_OUTPUT="0", **dict(node.env if node is not None else ()))
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=env, start_new_session=True, preexec_fn=_die_with_parent)
         self.procs = [(lab, p) for lab, p in self.procs if lab != label] + [(label, proc)]

@@ -112,6 +112,8 @@ class ResolvedNode:
     params_file: str  # absolute path
     parameters: dict  # overrides after the file, name -> value (str, bool, int, float)
     remappings: tuple[tuple[str, str], ...]
+    enclave: str = ""  # SROS2 enclave ('' = security off): the node's full name in the keystore
+    env: tuple[tuple[str, str], ...] = ()  # environment the node needs (the SROS2 variables)
 
     # Shortcuts for the launch code.
     package = property(lambda self: self.spec.package)
@@ -155,6 +157,9 @@ _ARG_HELP = {
     "robot_namespace": "namespace of the robot's nodes, into which the edge's link topics are remapped",
     "autostart": "true: drafter_node and verifier_node (lifecycle nodes) configure and activate themselves; "
                  "false: they wait unconfigured for a lifecycle manager; '' = the params files' (true)",
+    "keystore": "SROS2 keystore (from `ros2 security create_keystore`); '' = security off. Every node runs in "
+                "the enclave of its full name (e.g. /robot1/drafter_node), security enforced; each enclave must "
+                "exist (`ros2 security create_enclave <keystore> <enclave>`)",
     "robots": f"fleet: how many robots share the edge (1-{MAX_ROBOTS}); namespaces /robot1 ... /robotN",
     "scenarios": "fleet: each robot's emulated channel, comma-separated in robot order (one name: every robot); "
                  "'' = scenario (or the params file's)",
@@ -216,6 +221,7 @@ def launch_arguments(configuration: str, config: Path | None = None) -> tuple[La
         args += [LaunchArgument("robots", "2", _ARG_HELP["robots"]), LaunchArgument("scenarios", "", _ARG_HELP["scenarios"])]
     if configuration == "edge":
         args.append(LaunchArgument("robot_namespace", ROBOT_NS, _ARG_HELP["robot_namespace"]))
+    args.append(LaunchArgument("keystore", "", _ARG_HELP["keystore"]))
     for s in specs:
         where = f"every {s.role_key} node" if fleet and s.role else f"{s.full_name} ({s.executable})"
         args.append(LaunchArgument(f"{s.role_key}_params_file", str(config / s.params_file), f"parameter file of {where}"))
@@ -271,8 +277,26 @@ def resolve(configuration: str, arguments: dict[str, str] | None = None,
         remaps = ()
         if robot_ns is not None and spec.side == "edge":
             remaps = tuple((t, f"{robot_ns}/{t}") for t in spec.link_topics)
-        nodes.append(ResolvedNode(spec, str(params_file.resolve()), overrides, remaps))
+        enclave, env = _security(values.get("keystore", ""), spec)
+        nodes.append(ResolvedNode(spec, str(params_file.resolve()), overrides, remaps, enclave, env))
     return nodes
+
+
+def _security(keystore: str, spec: NodeSpec) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """The SROS2 enclave and environment of a node (none without a keystore); ValueError naming a
+    keystore or enclave that is not there, with the command that makes it."""
+    if not keystore:
+        return "", ()
+    root = Path(keystore).expanduser()
+    if not (root / "enclaves").is_dir():
+        raise ValueError(f"launch argument keystore: {root} is no SROS2 keystore (no enclaves/ folder); "
+                         f"make one with `ros2 security create_keystore {root}`")
+    enclave = spec.full_name
+    if not (root / "enclaves" / enclave.lstrip("/")).is_dir():
+        raise ValueError(f"launch argument keystore: {root} has no enclave {enclave}; make it with "
+                         f"`ros2 security create_enclave {root} {enclave}`")
+    return enclave, (("ROS_SECURITY_KEYSTORE", str(root.resolve())), ("ROS_SECURITY_ENABLE", "true"),
+                     ("ROS_SECURITY_STRATEGY", "Enforce"))
 
 
 def _fleet_overrides(spec: NodeSpec, n_robots: int, scenarios: list[str]) -> dict:
@@ -327,6 +351,8 @@ def command(node: ResolvedNode, python: str, extra: list[tuple[str, str]] = ()) 
     cmd = [python, "-m", node.spec.module, "--ros-args",
            "-r", f"__node:={node.name}", "-r", f"__ns:={node.namespace}",
            "--params-file", node.params_file]
+    if node.enclave:
+        cmd += ["--enclave", node.enclave]
     for name, value in node.parameters.items():
         cmd += ["-p", f"{name}:={format_param(value)}"]
     for name, value in extra:

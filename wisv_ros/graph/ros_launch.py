@@ -32,6 +32,7 @@ def node_actions(configuration: str, values: dict[str, str]) -> list:
             parameters=[node.params_file, overrides],
             remappings=list(node.remappings),
             output="screen",
+            **({"ros_arguments": ["--enclave", node.enclave], "additional_env": dict(node.env)} if node.enclave else {}),
         ))
     return actions
 
