@@ -198,6 +198,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
           xticks=sorted({r["robots"] for r in rows}))
     for ax in (a, b):
         ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.get_xaxis().set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.grid(alpha=0.3)
     a.legend()
     fig.suptitle(title, fontsize=9)
