@@ -30,7 +30,7 @@ for stage in "${stages[@]}"; do
               --target-backend llama_cpp --drafter-backend llama_cpp ;;
     labels) pids=()
             for ((i = 0; i < THREADS; i++)); do
-              python -m wisv_ros.cli.traces label --out "$TRACES" --batch-size 8 --threads 1 \
+              python -m wisv_ros.cli.traces label --out "$TRACES" --batch-size 32 --threads 1 \
                 --target-backend llama_cpp --shard "$i/$THREADS" & pids+=($!)
             done
             for pid in "${pids[@]}"; do wait "$pid"; done
