@@ -97,7 +97,7 @@ class HiddenFetch:
     def __init__(self, node):
         self.node = node
         self.cv = threading.Condition()
-        self.awaiting: tuple[str, int] | None = None
+        self.awaiting: tuple[str, str, int] | None = None  # (robot, request, round)
         self.reply = None
         self.sh = {"up": 0, "down": 0, "wait_s": 0.0}
 
@@ -116,7 +116,7 @@ class HiddenFetch:
         timeout = float(node.get_parameter("hidden_request_timeout_s").value)
         t0 = time.perf_counter()
         with self.cv:
-            self.awaiting, self.reply = (rid, rnd), None
+            self.awaiting, self.reply = (req.robot, rid, rnd), None
         self.sh["down"] += msg_bytes(msg)
         node._request_pub[req.robot].publish(msg)
         with self.cv:
@@ -140,10 +140,11 @@ class HiddenFetch:
         full[positions] = h
         return ProjectedHidden(full, head_id) if head_id else full
 
-    def offer(self, msg) -> None:
+    def offer(self, msg, robot: str = "") -> None:
+        """A HiddenReply that came on ``robot``'s topic: taken only for that robot's own awaited round."""
         node = self.node
         with self.cv:
-            if self.awaiting == (msg.request_id, msg.round_id) and self.reply is None:
+            if self.awaiting == (robot, msg.request_id, msg.round_id) and self.reply is None:
                 self.reply = msg
                 self.cv.notify_all()
                 return

@@ -191,7 +191,8 @@ class VerifierNode(ServingNode):
             self._stats_pub[robot] = self.create_publisher(RoundStats, pre + "round_stats", RELIABLE_QOS)
             self.create_subscription(DraftBlock, pre + "draft_block",
                                      lambda m, r=robot: self._queue_block(m, r), burst_qos)
-            self.create_subscription(HiddenReply, pre + "hidden_reply", lambda m: self._hiddens.offer(m), RELIABLE_QOS)
+            self.create_subscription(HiddenReply, pre + "hidden_reply", lambda m, r=robot: self._hiddens.offer(m, r),
+                                     RELIABLE_QOS)
             self.create_subscription(ChannelState, pre + "channel_state",
                                      lambda m, r=robot: self._on_channel_state(m, r), RELIABLE_QOS)
         self._blocks: queue.Queue = queue.Queue()  # (robot, message, perf_counter at reception); max_queue bounds it
