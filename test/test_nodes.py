@@ -7,6 +7,7 @@ its own namespace. Waits are on conditions with timeouts, never fixed sleeps.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -110,7 +111,7 @@ class Pair:
             "verifier": NodeProcess("verifier_node", ns, log_dir,
                                     **{"target_model": TARGET, "target_dtype": "float32", **(verifier or {})}),
             "drafter": NodeProcess("drafter_node", ns, log_dir,
-                                   **{"drafter_model": DRAFTER, "min_confidence": 0.0, **(drafter or {})}),
+                                   **{"drafter_model": DRAFTER, "min_confidence": 0.0, "placement": "split", **(drafter or {})}),
         }
         self.block_pub = ros.create_publisher(DraftBlock, f"{ns}/draft_block", RELIABLE_QOS)
         self.verdicts = Topic(ros, Verdict, f"{ns}/verdict")
@@ -273,6 +274,41 @@ def test_cancel_stops_a_long_goal(pair, target_lm):
     assert 0 < len(ids) < n
     assert out.feedback_ids() == ids
     assert ids == reference(target_lm, len(ids))
+
+
+def test_placement_edge_streams_the_targets_tokens_and_cancels(pair, target_lm):
+    """Edge-side generation through the nodes: the target's own tokens stream back as feedback,
+    several a round trip, with the edge's measured time per token; a long goal is canceled."""
+    n = 50
+    out = pair.start_goal(max_new_tokens=n, k=4, placement="edge").outcome(GOAL_TIMEOUT)
+    assert out.status_name == "succeeded", out.result.error + "\n" + pair.logs()
+    r = out.result
+    assert list(r.token_ids) == reference(target_lm, n) and out.feedback_ids() == list(r.token_ids)
+    assert r.edge_rounds == r.rounds and 1 < r.aal and r.placement == "edge" and "fixed by the parameter" in r.placement_reason
+    assert {f.placement for f in out.feedback} == {"edge"} and r.draft_time_s == 0.0
+    run = pair.start_goal(max_new_tokens=100_000, placement="edge")
+    assert run.first_feedback(GOAL_TIMEOUT), pair.logs()
+    assert run.cancel().return_code == 0
+    out = run.outcome(GOAL_TIMEOUT)
+    ids = list(out.result.token_ids)
+    assert out.status_name == "canceled" and 0 < len(ids) < 100_000 and ids == reference(target_lm, len(ids))
+
+
+def test_placement_auto_chooses_by_what_the_node_measured_and_says_why(pair, target_lm):
+    """The drafter node keeps its placement model across goals: after the split goals and the edge
+    goal before, auto compares both by their measured costs and explains its choice."""
+    n = 80
+    out = pair.start_goal(max_new_tokens=n, k=4, placement="auto").outcome(GOAL_TIMEOUT)
+    assert out.status_name == "succeeded", out.result.error + "\n" + pair.logs()
+    r = out.result
+    assert list(r.token_ids) == reference(target_lm, n)  # split or edge: the target's answer either way
+    assert r.robot_rounds == 0 and r.placement in ("split", "edge")
+    expected = dict(re.findall(r"(split|edge|robot) (\d+|\?)", r.placement_reason.split("expected:")[1]))
+    assert set(expected) == {"split", "edge", "robot"} and "?" not in expected.values(), r.placement_reason
+    faster = min(("split", "edge"), key=lambda p: int(expected[p]))
+    assert r.placement == faster or "staying" in r.placement_reason, r.placement_reason
+    assert {f.placement for f in out.feedback} <= {"split", "edge"}
+    assert "placement " in pair.procs["drafter"].log.read_text()  # the node logs its choice
 
 
 def test_verifier_forgets_the_request_and_the_drafter_resends_the_context(pair, target_lm):
@@ -441,7 +477,7 @@ def test_the_first_block_waits_for_the_prefill(ros, tmp_path, first_timeout):
     ns = f"/nodes_first_{int(first_timeout * 10)}"
     edge = SlowFirstVerifier(ros, ns, delay_s=2.0)
     drafter = NodeProcess("drafter_node", ns, tmp_path, drafter_model=DRAFTER, min_confidence=0.0, on_edge_loss="error",
-                          verdict_timeout_s=0.5, verdict_retries=0, first_verdict_timeout_s=first_timeout)
+                          placement="split", verdict_timeout_s=0.5, verdict_retries=0, first_verdict_timeout_s=first_timeout)
     client = GenerateClient(ros, f"{ns}/generate")
     try:
         assert client.wait_for_server(START_TIMEOUT), drafter.tail()
@@ -544,7 +580,8 @@ def test_a_robot_flooding_the_edge_with_requests_does_not_slow_another_robot(ros
     ns = "/nodes_flood"
     verifier = NodeProcess("verifier_node", ns, tmp_path, target_model=TARGET, target_dtype="float32",
                            robots="robot1,robot2", max_requests=4, max_queue=16)
-    drafter = NodeProcess("drafter_node", f"{ns}/robot1", tmp_path, drafter_model=DRAFTER, min_confidence=0.0)
+    drafter = NodeProcess("drafter_node", f"{ns}/robot1", tmp_path, drafter_model=DRAFTER, min_confidence=0.0,
+                          placement="split")
     client = GenerateClient(ros, f"{ns}/robot1/generate")
     flood_pub = ros.create_publisher(DraftBlock, f"{ns}/robot2/draft_block", RELIABLE_QOS)
     flood_verdicts = Topic(ros, Verdict, f"{ns}/robot2/verdict")

@@ -186,7 +186,7 @@ def test_edge_refuses_bad_blocks_naming_the_field(target):
         "prefix_length 4 does not match the committed length": BlockRequest("r", 1, len(PROMPT), [1], k=1),
         "token_ids: ids [99]": BlockRequest("r", 1, 0, [99], k=1),
         "tau: must be finite and >= 0, got nan": BlockRequest("r", 1, 0, [1], k=1, tau=math.nan),
-        "method: target_only has no verifier": BlockRequest("r", 1, 0, [1], k=1, method="target_only"),
+        "token_ids: method target_only (the edge generates) carries no draft tokens": BlockRequest("r", 1, 0, [1], k=1, method="target_only"),
         "temperature: method reject needs > 0": BlockRequest("r", 1, 0, [1], k=1, method="reject"),
         "unknown request other: resend context": BlockRequest("other", 0, 4, [1], k=1),
         "hidden: protocol fh needs 1 drafter hiddens": BlockRequest("r", 1, 0, [1], k=1, protocol="fh"),

@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k", type=int, default=0, help="draft block size (0 = the node's default)")
     p.add_argument("--protocol", default="", help="ids, fh, sh or adaptive ('' = the node's default)")
     p.add_argument("--tau", type=float, default=-1.0, help="WISV threshold (< 0 = the node's default)")
+    p.add_argument("--placement", default="", help="auto, split, edge or robot ('' = the node's default)")
     p.add_argument("--wait", type=float, default=900.0, help="seconds to wait for the models to load (default %(default)s)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for the result (default %(default)s)")
     p.add_argument("--verifier", default="/edge/verifier_node", help="the verifier's node name (default %(default)s)")
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_ready_check:
             wait_until_active(node, [f"{ns.rstrip('/')}/drafter_node", args.verifier], waiter.check, waiter.note)
         goal = {"max_new_tokens": args.max_new_tokens, "method": args.method, "k": args.k,
-                "protocol": args.protocol, "tau": args.tau}
+                "protocol": args.protocol, "tau": args.tau, "placement": args.placement}
         run = _start_goal(client, args.prompt, goal, waiter)
         print(f"[ask] models ready after {time.monotonic() - waiter.t0:.0f} s; prompt: {args.prompt!r}",
               file=sys.stderr, flush=True)
@@ -184,6 +185,12 @@ def main(argv: list[str] | None = None) -> int:
         c = channel[-1]
         print(f"channel measured by the link monitor: rate {c.rate_bps / 1e6:.1f} Mbit/s, PER {c.per:.3f}, "
               f"RTT {c.rtt_s * 1e3:.1f} ms")
+    if getattr(r, "placement_reason", ""):
+        print(f"placement: {r.placement_reason}; rounds split {r.rounds - r.edge_rounds - r.robot_rounds - r.drafter_only_rounds}, "
+              f"edge {r.edge_rounds}, robot {r.robot_rounds}")
+    if getattr(r, "robot_rounds", 0):
+        print(f"[ask] note: the drafter answered {r.robot_rounds} of {r.rounds} rounds alone by choice (placement robot, "
+              "max_ms_per_token): that part of the text is not verified by the target", file=sys.stderr)
     alone = int(getattr(r, "drafter_only_rounds", 0))
     if alone:
         print(f"[ask] warning: the drafter committed {alone} of {r.rounds} rounds alone (the edge was lost): "

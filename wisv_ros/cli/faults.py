@@ -47,7 +47,7 @@ def run_kind(kind: str, args, out: Path) -> dict:
     from wisv_ros.nodes.client import GenerateClient, set_string_parameter, wait_until_active
 
     arguments = {"drafter_model": args.drafter, "target_model": args.target}
-    robot_sets = ["drafter.min_confidence:=0.0", "drafter.on_edge_loss:=wait", "drafter.verdict_timeout_s:=0.5",
+    robot_sets = ["drafter.min_confidence:=0.0", "drafter.on_edge_loss:=wait", "drafter.placement:=split", "drafter.verdict_timeout_s:=0.5",
                   "drafter.first_verdict_timeout_s:=2.0", "drafter.verdict_retries:=1", "drafter.edge_retry_s:=0.2",
                   f"drafter.edge_wait_s:={args.edge_wait_s}"]
     edge_sets = ["verifier.target_dtype:=float32"]

@@ -21,7 +21,12 @@ real network. Every prompt is sent through the Generate action once per configur
   decision head (``--head``) the verifier rejects every mismatch, so the text is greedy SD's while
   the link carries what the protocol carries (FH: K drafter hidden states per block; SH: a hidden
   request and reply per block with mismatches);
-- ``reject``:   rejection SD (temperature 1), only when drafter and target share a vocabulary.
+- ``reject``:   rejection SD (temperature 1), only when drafter and target share a vocabulary;
+- ``edge``, ``robot``, ``auto``: placements (``sd.placement``) of greedy decoding: the edge generating
+  with the target alone and streaming (edge rounds), the drafter alone (its own answer), and the
+  drafter node's choice per round (the ``placement`` column counts the rounds of each; the
+  placement model is the node's, so auto also uses what the fixed placements measured before it
+  on the same graph). ``greedy`` is the split placement.
 
 Beside them, the two things a user would run instead, measured in this process with the same
 models and thread count and with the link's delay added from the scenario:
@@ -63,12 +68,16 @@ from tqdm import tqdm
 
 from wisv_ros.cli.ask import _Waiter
 
-CONFIGS = {
-    "greedy": {"method": "greedy", "protocol": "ids"},
-    "fh": {"method": "wisv", "protocol": "fh", "tau": 0.5},
-    "sh": {"method": "wisv", "protocol": "sh", "tau": 0.5},
-    "adaptive": {"method": "wisv", "protocol": "adaptive", "tau": 0.5},
-    "reject": {"method": "reject", "protocol": "ids", "temperature": 1.0},
+CONFIGS = {  # the split configurations pin placement split (the drafter's default is auto)
+    "greedy": {"method": "greedy", "protocol": "ids", "placement": "split"},
+    "fh": {"method": "wisv", "protocol": "fh", "tau": 0.5, "placement": "split"},
+    "sh": {"method": "wisv", "protocol": "sh", "tau": 0.5, "placement": "split"},
+    "adaptive": {"method": "wisv", "protocol": "adaptive", "tau": 0.5, "placement": "split"},
+    "reject": {"method": "reject", "protocol": "ids", "temperature": 1.0, "placement": "split"},
+    # Placements (sd.placement), greedy: the same node graph, each a fixed placement, and auto.
+    "edge": {"method": "greedy", "protocol": "ids", "placement": "edge"},
+    "robot": {"method": "greedy", "protocol": "ids", "placement": "robot"},
+    "auto": {"method": "greedy", "protocol": "ids", "placement": "auto"},
 }
 BASELINES = ("target_stream", "colocated")
 DIRECT = "direct"  # robot and edge graphs connected directly (loopback), no emulator
@@ -224,6 +233,7 @@ def _row(scenario: str, head: str, config: str, k: int, tau: float, prompt: int,
             "aal": n / r.rounds, "latency_s": r.latency_s, "ms_per_token": 1e3 * r.latency_s / max(n, 1),
             "up_B": up, "down_B": down, "link_ms": 1e3 * link, "nominal_ms": 1e3 * nominal,
             "overhead_ms": 1e3 * (link - nominal), "draft_time_s": r.draft_time_s, "edge_time_s": r.edge_time_s,
+            "placement": f"split {r.rounds - r.edge_rounds - r.robot_rounds}/edge {r.edge_rounds}/robot {r.robot_rounds}",
             "log_rounds": sum(rec.kind == "block" for rec in records),
             "model_ms_per_token": 1e3 * model / max(n, 1), "model_error": r.latency_s / model - 1.0}
 
@@ -274,7 +284,7 @@ def run_baselines(prompts: list[tuple[str, str | None]], scenarios: list[str], a
                              "ms_per_token": 1e3 * (t + link) / max(n, 1), "up_B": float("nan"),
                              "down_B": float("nan"), "link_ms": float("nan"), "nominal_ms": float("nan"),
                              "overhead_ms": float("nan"), "draft_time_s": float("nan"), "edge_time_s": float("nan"),
-                             "log_rounds": float("nan"), "model_ms_per_token": float("nan"), "model_error": float("nan")})
+                             "placement": "-", "log_rounds": float("nan"), "model_ms_per_token": float("nan"), "model_error": float("nan")})
     return rows
 
 

@@ -75,13 +75,16 @@ def read_verdict(msg) -> EdgeReply:
     return EdgeReply(request_id=msg.request_id, round_id=int(msg.round_id), accepted=int(msg.accepted),
                      correction_id=int(msg.correction_id), committed_ids=[int(i) for i in msg.committed_ids],
                      committed_length=int(msg.committed_length), copy_rounds=int(msg.copy_rounds),
-                     copy_committed=int(msg.copy_committed), edge_time_s=float(msg.edge_time_s), error=msg.error)
+                     copy_committed=int(msg.copy_committed), edge_time_s=float(msg.edge_time_s), error=msg.error,
+                     # (getattr: Verdicts recorded in bags before the two fields existed)
+                     edge_token_s=float(getattr(msg, "edge_token_s", 0.0)), edge_load=float(getattr(msg, "edge_load", 0.0)))
 
 
 def fill_verdict(msg, reply: EdgeReply) -> None:
     """Write an ``EdgeReply`` into a Verdict message."""
     msg.request_id, msg.round_id = reply.request_id, reply.round_id
     msg.error = reply.error
+    msg.edge_token_s, msg.edge_load = float(reply.edge_token_s), float(reply.edge_load)
     if reply.error:
         msg.correction_id = CORRECTION_NONE
         return

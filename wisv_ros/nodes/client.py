@@ -154,7 +154,7 @@ class GenerateClient:
         return self.client.wait_for_server(timeout_sec=timeout)
 
     def start(self, prompt: str, max_new_tokens: int = 0, method: str = "", k: int = 0, tau: float = -1.0,
-              protocol: str = "", temperature: float = -1.0, timeout: float = 10.0) -> GoalRun:
+              protocol: str = "", temperature: float = -1.0, timeout: float = 10.0, placement: str = "") -> GoalRun:
         """Send a goal (0 / "" / negative = the drafter node's defaults).
 
         Raises RuntimeError if the drafter rejects it (model loading or failed), TimeoutError if no goal
@@ -164,6 +164,7 @@ class GenerateClient:
         goal = self._Generate.Goal()
         goal.prompt, goal.max_new_tokens, goal.method = prompt, max_new_tokens, method
         goal.k, goal.tau, goal.protocol, goal.temperature = k, tau, protocol, temperature
+        goal.placement = placement
         holder: dict[str, GoalRun] = {}
         buffered: list = []
         lock = threading.Lock()

@@ -19,6 +19,16 @@ With ``head_path`` (the verifier's WISV decision head), fh blocks and sh replies
 drafter projection ([K, 64] for the shipped heads) instead of the [K, d_D] hiddens, named by the
 head's id (``wisv.head``; pre-projected FH uplink); a verifier running another head refuses them.
 
+Placement (parameter and goal field ``placement``, ``sd.placement``): every round runs split (as
+above), edge (a DraftBlock with method ``target_only`` and no draft tokens: the edge generates up to
+``edge_chunk`` tokens with the target alone and the verdict commits them, streamed as feedback) or
+robot (the drafter alone, unverified); ``auto`` (default) takes the faster of split and edge per
+round by the expected latency per token from the latest channel state, what this node measured
+(drafting, round trips, tokens per round; kept across goals) and the edge's reports in each verdict
+(``edge_token_s``, ``edge_load``), and robot only past ``max_ms_per_token``. The result says where
+the last round ran and why (``placement``, ``placement_reason``) and counts ``edge_rounds`` and
+``robot_rounds``; each feedback message names its round's placement.
+
 The result: ``rounds`` are round trips (copy rounds on the edge are counted apart: ``copy_rounds``,
 ``copy_committed``) and ``aal`` is tokens per round trip; ``draft_time_s``, ``round_trip_s`` (block
 published -> verdict received) and ``edge_time_s`` (of that, on the edge), so ``round_trip_s -
@@ -42,12 +52,14 @@ from rclpy.action import ActionServer, CancelResponse, GoalResponse
 
 from wisv_ros.interfaces.wire import WireError, text_to_ids
 from wisv_ros.link.channel import ChannelState as LinkChannel
+from wisv_ros.link.channel import WireFormat
 from wisv_ros.nodes.transport import DdsLink
 from wisv_ros.nodes.common import (FEEDBACK_QOS, RELIABLE_QOS, ServingNode, check_choice, declare, frozen_after_start,
                                    offload, run_node)
 from wisv_ros.sd.drafting import Drafter, encode_prompt, same_vocabulary
 from wisv_ros.sd.engines import BACKENDS, load_lm, resolve_backend
 from wisv_ros.sd.models import load_tokenizer
+from wisv_ros.sd.placement import PLACEMENT_MODES, PlacementModel
 from wisv_ros.sd.rounds import EDGE_LOSS, EdgeLost, RobotPolicy, RobotSession, protocol_chooser
 from wisv_ros.sd.verification import Method
 
@@ -90,17 +102,26 @@ class DrafterNode(ServingNode):
         declare(self, "edge_retry_s", p.edge_retry_s, "try a lost or loading edge again at most this often (s)", lo=0.0, hi=3600.0)
         declare(self, "edge_wait_s", p.edge_wait_s, "wait this long for an edge that is loading its model (any on_edge_loss) "
                 "or, with on_edge_loss wait, silent, before giving up (s)", lo=0.0, hi=86400.0)
+        declare(self, "placement", "auto", "where tokens are made: 'split' (drafter here, target on the edge), 'edge' "
+                "(the edge generates with the target alone and streams), 'robot' (the drafter alone, unverified) or 'auto' "
+                "(per round, the faster of split and edge by the expected latency per token from the measured channel, "
+                "compute times and edge load; robot only past max_ms_per_token)", choices=PLACEMENT_MODES)
+        declare(self, "max_ms_per_token", 0.0, "placement auto: when split and edge are both expected slower than this, "
+                "the drafter answers alone if it is faster (ms per token; 0 = never leave the target's answer)", lo=0.0, hi=1e6)
+        declare(self, "edge_chunk", 0, "placement edge: tokens the edge generates per round trip (0 = the fewest that keep "
+                "the round trip under 10 % of their compute, at most 32)", lo=0, hi=256)
         declare(self, "seed", 0, "seed of the drafter's sampling", lo=0, hi=2**31 - 1)
         declare(self, "threads", 1, "CPU threads of the drafter's engine", lo=1, hi=256)
         declare(self, "backend", "auto", "drafter engine: auto (llama_cpp for GGUF weights, torch for the rest), torch or llama_cpp", choices=BACKENDS)
         declare(self, "head_path", "", "the verifier's WISV decision head (.onnx with its .json sidecar): under fh and sh send "
                 "its drafter projection (the head's hidden width, 64 for the shipped heads) instead of the drafter hidden "
                 "states; the verifier must run the same head; '' = send the hidden states")
-        for name, choices in (("method", METHODS), ("protocol", PROTOCOLS), ("on_edge_loss", EDGE_LOSS), ("backend", BACKENDS)):
+        for name, choices in (("method", METHODS), ("protocol", PROTOCOLS), ("on_edge_loss", EDGE_LOSS), ("backend", BACKENDS),
+                              ("placement", PLACEMENT_MODES)):
             check_choice(name, self._param(name), choices)
         self.add_on_set_parameters_callback(frozen_after_start(
             {"drafter_model", "target_tokenizer_model", "threads", "backend", "head_path"},
-            {"method": METHODS, "protocol": PROTOCOLS, "on_edge_loss": EDGE_LOSS},
+            {"method": METHODS, "protocol": PROTOCOLS, "on_edge_loss": EDGE_LOSS, "placement": PLACEMENT_MODES},
         ))
 
         from wisv_ros.action import Generate
@@ -123,6 +144,8 @@ class DrafterNode(ServingNode):
         self._request_ids: collections.deque[str] = collections.deque(maxlen=64)  # recent requests of this node
         self._channel: LinkChannel | None = None
         self._mean_mismatch = 0.0  # rejected draft positions per block, carried across requests
+        self._placer: PlacementModel | None = None  # what placement auto measured, carried across requests
+        self._logged_placement: str | None = None  # the placement whose reason was logged last
         self.autostart()
 
     # ------------------------------------------------------------------ parameters and loading
@@ -154,6 +177,8 @@ class DrafterNode(ServingNode):
                     raise ValueError(f"head_path {head_path}: the head expects drafter hidden size {projection.d_draft}, "
                                      f"the drafter has {lm.hidden_size}")
             self._lm, self._target_tok, self._projection = lm, target_tok, projection
+            width = projection.hidden if projection is not None else lm.hidden_size  # what a row costs on the link
+            self._placer = PlacementModel(WireFormat(hidden_dim=width))
             self.get_logger().info(f"drafter {spec} ({resolve_backend(spec, self._param('backend'))}) loaded in {time.perf_counter() - t0:.1f} s"
                                    + (f"; cross-tokenizer with {target_spec}" if target_tok is not None else "")
                                    + (f"; sending the drafter projection of head {head_path} (id {projection.head_id}, "
@@ -185,7 +210,8 @@ class DrafterNode(ServingNode):
             max_new_tokens=int(goal.max_new_tokens) or int(self._param("max_new_tokens")),
             temperature=float(goal.temperature) if goal.temperature >= 0 else float(self._param("temperature")),
             **{name: self._param(name) for name in ("verdict_timeout_s", "first_verdict_timeout_s", "verdict_retries",
-                                                    "on_edge_loss", "edge_retry_s", "edge_wait_s")})
+                                                    "on_edge_loss", "edge_retry_s", "edge_wait_s")},
+            placement=goal.placement or self._param("placement"))
         if p.method == "reject" and self._target_tok is not None:
             raise ValueError("method reject needs one vocabulary; this drafter drafts across tokenizers")
         return p
@@ -205,10 +231,14 @@ class DrafterNode(ServingNode):
                 session = self._session(goal_handle, policy)
                 sent = [""]  # text streamed so far
                 try:
-                    res = session.run(on_commit=lambda new, rnd: self._feedback(goal_handle, out, new, rnd, sent),
+                    res = session.run(on_commit=lambda new, rnd: self._feedback(goal_handle, out, new, rnd, sent,
+                                                                                session.round_placement),
                                       cancelled=lambda: goal_handle.is_cancel_requested)
                 finally:
                     self._mean_mismatch = session.mean_mismatch
+                if res.placement_reason and res.placement != self._logged_placement:
+                    self.get_logger().info(f"placement {res.placement_reason}")  # when the choice changes
+                    self._logged_placement = res.placement
                 status = "canceled" if goal_handle.is_cancel_requested else "succeeded"
             except (EdgeLost, ValueError) as exc:
                 status, result.error = "aborted", str(exc)
@@ -252,9 +282,13 @@ class DrafterNode(ServingNode):
 
         projection = self._projection
         width = projection.hidden if projection is not None else self._lm.hidden_size  # what a row costs on the link
+        placer = self._placer
+        placer.max_s_per_token = float(self._param("max_ms_per_token")) / 1000.0
+        placer.edge_chunk = int(self._param("edge_chunk"))
         return RobotSession(drafter, request_id, t_prompt, d_prompt, policy, self._link, self._eos(),
                             protocol_for=protocol_chooser(policy.protocol, policy.method, width, lambda: self._channel),
-                            log=log, mean_mismatch=self._mean_mismatch, projection=projection)
+                            log=log, mean_mismatch=self._mean_mismatch, projection=projection,
+                            channel=lambda: self._channel, placer=placer)
 
     def _fill_result(self, result, out: list[int], res, latency: float) -> None:
         result.text = self._decode(out)
@@ -270,6 +304,8 @@ class DrafterNode(ServingNode):
             result.draft_time_s, result.edge_time_s = res.draft_time_s, res.edge_time_s
             result.copy_rounds, result.copy_committed = res.copy_rounds, res.copy_committed
             result.drafter_only_rounds = res.drafter_only_rounds
+            result.edge_rounds, result.robot_rounds = res.edge_rounds, res.robot_rounds
+            result.placement, result.placement_reason = res.placement or "split", res.placement_reason
 
     # ------------------------------------------------------------------ one request
     def _decode(self, ids: list[int]) -> str:
@@ -283,7 +319,8 @@ class DrafterNode(ServingNode):
             return {int(self._target_tok.eos_token_id)} if self._target_tok.eos_token_id is not None else set()
         return self._lm.eos_ids()
 
-    def _feedback(self, goal_handle, out: list[int], new: list[int], round_id: int, sent: list[str]) -> None:
+    def _feedback(self, goal_handle, out: list[int], new: list[int], round_id: int, sent: list[str],
+                  placement: str) -> None:
         out.extend(new)
         fb = self._Generate.Feedback()
         full = self._decode(out).rstrip("\ufffd")  # an incomplete character waits for the next round
@@ -292,6 +329,7 @@ class DrafterNode(ServingNode):
         fb.token_ids_delta = new
         fb.committed_length = len(out)
         fb.round_id = round_id
+        fb.placement = placement
         goal_handle.publish_feedback(fb)
 
     # ------------------------------------------------------------------ topics

@@ -25,6 +25,13 @@ name (``robot1/draft_block`` ...), so its verdicts and hidden-state requests go 
 WISV head and ``tau_per_channel`` use the channel state of the block's own robot; a request belongs
 to the robot whose block opened it, and a block of another robot under its id is refused by name.
 
+Edge rounds (the robot's placement ``edge``): a block with method ``target_only`` and no draft
+tokens asks for up to ``k`` tokens of the target's own (one pass a token, copy rounds in between
+where copy mode holds); the verdict commits them all. Every verdict reports ``edge_token_s`` (the
+target's time per generated token: timed once at load, then measured on edge rounds) and
+``edge_load`` (the share of the last 5 s that other robots' blocks took on the verification
+thread), which the robot's placement model reads.
+
 SwitchSD copy mode (parameter ``copy``: off | ngram | probe): after a block, while the context's
 last ``copy_kappa`` tokens occurred earlier (and, with ``probe``, the copy probe fires), the edge
 verifies up to ``copy_width`` continuations of ``copy_depth`` tokens from the context in one tree
@@ -61,6 +68,7 @@ from wisv_ros.nodes.common import (QOS_DEPTH, RELIABLE_QOS, ServingNode, declare
                                     run_node, stamp_age_s, stamp_now)
 from wisv_ros.sd.engines import BACKENDS, load_lm, resolve_backend
 from wisv_ros.sd.models import WEIGHT_DTYPES, resolve_dtype
+from wisv_ros.sd.placement import EdgeLoad
 from wisv_ros.sd.rounds import EDGE_BUSY, EDGE_LOADING, EdgeReply, EdgeSessions, PrefillQueue, pick_batch
 from wisv_ros.sd.verification import Method
 from wisv_ros.switchsd.copying import COPY_MODES
@@ -201,6 +209,7 @@ class VerifierNode(ServingNode):
         self._wait_lock = threading.Lock()
         self._prefill = PrefillQueue(int(self._param("prefill_chunk")))  # verification thread only
         self._ready: list = []  # (BlockRequest, message, reception time) waiting for a target pass
+        self._edge_load = EdgeLoad()  # the verification thread's time per robot (Verdict.edge_load)
         self._robot_now = self._robots[0]  # the robot of the block being decided (whose channel the head sees)
         deadline = float(self._param("channel_deadline_s"))
         self._channel_at = {r: time.monotonic() for r in self._robots}  # the deadline runs from the start
@@ -270,8 +279,6 @@ class VerifierNode(ServingNode):
                              f"; decision head {head_path} (takes no drafter projections: {head.split_error})")
             copy = CopyConfig.for_mode(self._param("copy"), probe, kappa=int(self._param("copy_kappa")),
                                        width=int(self._param("copy_width")), depth=int(self._param("copy_depth")))
-            lm.feed(list(range(8)), n_logits=1)  # warm-up: the first pass pages the weights in, sets up the kernels
-            lm.reset()
             if self._param("round_log"):
                 from wisv_ros.sd.roundlog import RoundLog
 
@@ -282,8 +289,10 @@ class VerifierNode(ServingNode):
                                       max_context=int(self._param("max_context")), max_block=int(self._param("max_block")),
                                       channel_tau=(None if self._tau_schedule is None else
                                                    lambda req: self._tau_schedule.tau_for(self._channel_state(req.robot))))
-            self.get_logger().info(f"target {spec} ({backend}, {dtype}) loaded and warmed up in {time.perf_counter() - t0:.1f} s"
-                                   + head_note)
+            # Warm-up (the first passes page the weights in) and the prior of Verdict.edge_token_s.
+            token_s = self._edge.measure_token_s()
+            self.get_logger().info(f"target {spec} ({backend}, {dtype}) loaded and warmed up in {time.perf_counter() - t0:.1f} s, "
+                                   f"{token_s * 1e3:.1f} ms a generated token" + head_note)
             return True
         except Exception as exc:
             self._load_error = f"{type(exc).__name__}: {exc}"
@@ -464,15 +473,23 @@ class VerifierNode(ServingNode):
                 self._ready.clear()
                 return
             self._ready, batch = pick_batch(self._ready, self._max_batch)
+            t0 = time.perf_counter()
             try:
                 rounds = edge.begin_many([req for req, _, _ in batch])
             except Exception as exc:  # noqa: BLE001 - never ends the thread; every block of the pass is answered
                 rounds = [EdgeReply(req.request_id, req.round_id, error=f"internal error: {exc!r}") for req, _, _ in batch]
+            share = (time.perf_counter() - t0) / len(batch)  # the shared pass, counted to each robot in it
             for (req, msg, t), rnd in zip(batch, rounds):
+                self._edge_load.add(msg.robot, t0, t0 + share)
+                t0 += share
+
                 def one(m, tt, rnd=rnd):
                     sh = self._hiddens.new_round()
                     self._robot_now = m.robot  # the head sees this robot's channel
-                    self._answer(m, tt, edge.complete(rnd, self._hiddens.fetch), sh)
+                    start = time.perf_counter()
+                    reply = edge.complete(rnd, self._hiddens.fetch)
+                    self._edge_load.add(m.robot, start, time.perf_counter() - sh["wait_s"])
+                    self._answer(m, tt, reply, sh)
                 self._guarded(one, msg, t)
 
     def _answer(self, msg, t_recv: float, reply: EdgeReply, sh: dict | None = None) -> None:
@@ -484,6 +501,7 @@ class VerifierNode(ServingNode):
             self.get_logger().warning(f"request {msg.request_id} round {msg.round_id}: {reply.error}")
         else:
             reply.edge_time_s = max(0.0, time.perf_counter() - t_recv - sh["wait_s"])
+        reply.edge_load = self._edge_load.load(msg.robot, time.perf_counter())
         out = self._publish_verdict(reply, msg.robot)
         if not reply.error and not reply.resent:
             self._publish_stats(msg, reply, out, sh, uplink_s, time.perf_counter() - t_recv)

@@ -55,6 +55,7 @@ from wisv_ros.link.channel import ChannelState, WireFormat, choose_protocol
 from wisv_ros.sd.drafting import DraftBlock, Drafter, encode_prompt, pick_token
 from wisv_ros.sd.lm import CausalLM
 from wisv_ros.sd.metrics import DecodeStats
+from wisv_ros.sd.placement import PLACEMENT_MODES, PlacementModel
 from wisv_ros.sd.roundlog import RoundRecord
 from wisv_ros.sd.verification import Judge, Method, Verdict, Verifier
 from wisv_ros.switchsd.copying import CopyConfig
@@ -157,6 +158,8 @@ class EdgeReply:
     copy_committed: int = 0
     edge_time_s: float = 0.0
     error: str = ""
+    edge_token_s: float = 0.0  # the edge's measured seconds per generated token (0 = not measured yet)
+    edge_load: float = 0.0  # share of the edge's time that other robots' work took lately (0..1)
     verdict: Verdict | None = None
     copies: list[Verdict] = dataclasses.field(default_factory=list)
     resent: bool = False  # the edge gave this reply before (a resent block)
@@ -248,6 +251,27 @@ class EdgeSessions:
         self.copy_max_rounds = copy_max_rounds
         self._sessions: collections.OrderedDict[str, _Session] = collections.OrderedDict()
         self._eos = lm.eos_ids()
+        self.token_s: float | None = None  # measured target seconds per generated token (edge rounds; Verdict.edge_token_s)
+
+    def measure_token_s(self, context: int = 32, steps: int = 3) -> float:
+        """Time one-token target passes after a ``context``-token filler, before any request is served
+        (the prior of ``token_s`` until edge rounds measure it); returns seconds per token. The
+        target's cache is empty again afterwards."""
+        if self._sessions:
+            raise RuntimeError("measure_token_s runs before the first request (it uses the target's cache)")
+        if getattr(self.lm, "n_sessions", 1) > 1:
+            self.lm.use(0)
+        self.lm.reset()
+        filler = [0] * context  # any id: the cost of a pass does not depend on the tokens
+        self.lm.feed(filler, n_logits=1)
+        times = []
+        for _ in range(steps + 1):  # the first is a warm-up
+            t0 = time.perf_counter()
+            self.lm.feed(filler[:1], n_logits=1)
+            times.append(time.perf_counter() - t0)
+        self.lm.reset()
+        self.token_s = float(np.median(times[1:]))
+        return self.token_s
 
     def context(self, request_id: str) -> list[int] | None:
         """The committed context of a request (None: unknown)."""
@@ -269,17 +293,21 @@ class EdgeSessions:
     def complete(self, out: EdgeRound | EdgeReply,
                  fetch_hidden: Callable[[BlockRequest, list[int]], np.ndarray | ProjectedHidden | None] | None = None
                  ) -> EdgeReply:
-        """What ``handle`` does after ``begin`` (or ``begin_many``): the reply of ``out``."""
+        """What ``handle`` does after ``begin`` (or ``begin_many``): the reply of ``out``, with the
+        edge's measured time per generated token (``EdgeReply.edge_token_s``)."""
         if isinstance(out, EdgeReply):
-            return out
-        req = out.request
-        hidden = None
-        if out.hidden_positions:
-            if req.protocol == "fh":
-                hidden = req.drafter_rows()
-            elif req.protocol == "sh" and fetch_hidden is not None:
-                hidden = fetch_hidden(req, out.hidden_positions)
-        return self.finish(out, hidden)
+            reply = out
+        else:
+            req = out.request
+            hidden = None
+            if out.hidden_positions:
+                if req.protocol == "fh":
+                    hidden = req.drafter_rows()
+                elif req.protocol == "sh" and fetch_hidden is not None:
+                    hidden = fetch_hidden(req, out.hidden_positions)
+            reply = self.finish(out, hidden)
+        reply.edge_token_s = self.token_s or 0.0
+        return reply
 
     def begin(self, req: BlockRequest) -> EdgeRound | EdgeReply:
         """Check the block and run the target pass; an ``EdgeReply`` when it is answered already
@@ -290,11 +318,57 @@ class EdgeSessions:
         session, block = prep
         try:
             self._bind(session)
+            if req.method == Method.TARGET_ONLY.value:
+                return self._remember(session, self._edge_round(req, session))
             tp = session.verifier.target_pass(block)
         except Exception as exc:  # noqa: BLE001 - a block never takes the edge down
             return self._remember(session, self._error(req, exc))
         session.pending = True
         return EdgeRound(req, list(tp.hidden_positions), session, tp)
+
+    def _edge_round(self, req: BlockRequest, session: _Session) -> EdgeReply:
+        """Placement edge: the target generates up to ``req.k`` tokens after the context itself (one
+        pass a token, each an empty block's bonus token; copy mode's rounds in between as after a
+        block), and the reply commits them all. ``token_s``: the measured seconds per token."""
+        v = session.verifier
+        steps: list[Verdict] = []
+        copies: list[Verdict] = []
+        committed: list[int] = []
+        prefill_tokens, prefill_s = session.prefill_tokens, session.prefill_s
+        session.prefill_tokens, session.prefill_s = 0, 0.0
+        while len(committed) < req.k and not self._eos.intersection(committed):
+            probs = torch.zeros((0, self.lm.vocab_size)) if v.method == Method.REJECT else None
+            step = v.verify(DraftBlock(token_ids=[], hidden=None, probs=probs, prefix_length=len(v.context)))
+            steps.append(step)
+            committed += step.committed_ids
+            more = self._copy_rounds(v, step.committed_ids, req.k - len(committed))
+            copies += more
+            committed += [t for c in more for t in c.committed_ids]
+        compute_s = sum(s.target_time_s for s in steps)
+        plain = [s.target_time_s for s in steps if s.target_tokens <= 1]  # not those that fed a context too
+        if plain:
+            mean = sum(plain) / len(plain)
+            self.token_s = mean if self.token_s is None else 0.8 * self.token_s + 0.2 * mean
+        total = Verdict(accepted=0, correction_id=committed[-1], committed_ids=list(committed), mismatches=[],
+                        target_time_s=compute_s + sum(c.target_time_s for c in copies) + prefill_s,
+                        target_tokens=sum(s.target_tokens for s in steps) + prefill_tokens)
+        if self.round_log is not None:
+            common = dict(request_id=req.request_id, round_id=req.round_id, method=Method.TARGET_ONLY.value, k=req.k)
+            prefix = req.prefix_length
+            for i, s in enumerate(steps):
+                self.round_log(RoundRecord(kind="target", prefix_length=prefix, committed=len(s.committed_ids),
+                                           target_tokens=s.target_tokens + (prefill_tokens if i == 0 else 0),
+                                           target_time_s=s.target_time_s + (prefill_s if i == 0 else 0.0), **common))
+                prefix += len(s.committed_ids)
+            for c in copies:  # (their position among the steps is not kept: the log prices each alone)
+                self.round_log(RoundRecord(kind="copy", prefix_length=prefix, drafted=c.drafted, accepted=c.accepted,
+                                           committed=len(c.committed_ids), target_tokens=c.target_tokens,
+                                           copy_candidates=c.copy_candidates, target_time_s=c.target_time_s, **common))
+                prefix += len(c.committed_ids)
+        copied = sum(len(c.committed_ids) for c in copies)
+        return EdgeReply(req.request_id, req.round_id, accepted=0, correction_id=committed[-1],
+                         committed_ids=list(committed), committed_length=len(v.context), copy_rounds=len(copies),
+                         copy_committed=copied, verdict=total, copies=copies)
 
     def begin_many(self, reqs: Sequence[BlockRequest]) -> list[EdgeRound | EdgeReply]:
         """``begin`` of blocks of different requests with ONE target pass for all of them
@@ -315,6 +389,9 @@ class EdgeSessions:
         out: list[EdgeRound | EdgeReply | None] = [None] * len(reqs)
         live: list[tuple[int, _Session, DraftBlock, list[int]]] = []
         for i, req in enumerate(reqs):
+            if req.method == Method.TARGET_ONLY.value:  # generates its tokens one pass at a time
+                out[i] = self.begin(req)
+                continue
             prep = self._prepare(req)
             if isinstance(prep, EdgeReply):
                 out[i] = prep
@@ -363,11 +440,15 @@ class EdgeSessions:
                 tau = float(self.channel_tau(req))
             except Exception as exc:  # noqa: BLE001 - a block never takes the edge down
                 return self._remember(session, self._error(req, exc))
+        if method == Method.TARGET_ONLY:  # the edge's own tokens: the target's argmax, or sampled from it
+            method = Method.REJECT if req.temperature > 0 else Method.GREEDY
         v.method, v.tau, v.copy = method, tau, self.copy
         v.fly_entropy, v.fly_window = self.fly_entropy, self.fly_window
         if method == Method.REJECT:
             v.temperature = float(req.temperature)
         probs = torch.from_numpy(np.ascontiguousarray(req.draft_probs)) if req.draft_probs is not None else None
+        if probs is None and method == Method.REJECT and not req.token_ids:
+            probs = torch.zeros((0, self.lm.vocab_size))  # an edge round samples with no draft to test
         return session, DraftBlock(token_ids=list(req.token_ids), hidden=req.hidden, probs=probs,
                                    prefix_length=req.prefix_length, draft_time_s=req.draft_time_s)
 
@@ -502,8 +583,7 @@ class EdgeSessions:
             method = Method.parse(req.method or self.method.value)
         except ValueError as exc:
             raise BlockError(f"method: {exc}") from None
-        if method == Method.TARGET_ONLY:
-            raise BlockError("method: target_only has no verifier")
+        edge_round = method == Method.TARGET_ONLY  # placement edge: the edge generates k tokens itself
         if method == Method.REJECT and not req.temperature > 0:
             raise BlockError(f"temperature: method reject needs > 0, got {req.temperature}")
         if not math.isfinite(req.tau) or req.tau < 0:
@@ -515,14 +595,22 @@ class EdgeSessions:
         if req.protocol not in PROTOCOLS:
             raise BlockError(f"protocol: '{req.protocol}' is not one of {', '.join(PROTOCOLS)}")
         k = len(req.token_ids)
-        if k == 0:
+        if edge_round:
+            if k:
+                raise BlockError(f"token_ids: method target_only (the edge generates) carries no draft tokens, got {k}")
+            if req.protocol != "ids" or req.hidden is not None or req.draft_probs is not None:
+                raise BlockError("protocol: method target_only sends ids only (no hidden states, no draft_probs)")
+            if not 1 <= req.k <= self.max_block:
+                raise BlockError(f"k: method target_only asks the edge for 1..max_block = {self.max_block} tokens, got {req.k}")
+            k = req.k  # what the round may add to the context
+        elif k == 0:
             raise BlockError("token_ids: empty block")
-        if k > req.k:
+        elif k > req.k:
             raise BlockError(f"token_ids: {k} draft tokens, more than the block size k = {req.k}")
         if k > self.max_block:
             raise BlockError(f"token_ids: {k} draft tokens, more than this verifier's max_block {self.max_block}")
         if req.prefix_length + k > self.max_context:
-            raise BlockError(f"prefix_length: {req.prefix_length} committed + {k} draft tokens exceed this verifier's "
+            raise BlockError(f"prefix_length: {req.prefix_length} committed + {k} new tokens exceed this verifier's "
                              f"max_context {self.max_context}; start a new request with a shorter prompt")
         vocab = self.lm.vocab_size
         self._check_ids("token_ids", req.token_ids, vocab)
@@ -548,10 +636,13 @@ class EdgeSessions:
             if self.verifier_for is not None:
                 verifier = self.verifier_for()
             else:
-                verifier = Verifier(self.lm, method, temperature=req.temperature or 1.0, tau=req.tau, judge=self.judge,
-                                    seed=self.seed)
+                verifier = Verifier(self.lm, Method.GREEDY if edge_round else method, temperature=req.temperature or 1.0,
+                                    tau=req.tau, judge=self.judge, seed=self.seed)
             verifier.begin(req.context_ids)
-            session = _Session(verifier, rnd - 1, robot=req.robot)
+            # A request that comes back with its context (after robot-only rounds, a lost edge) keeps
+            # its KV sequence: the target feeds only what the sequence lacks.
+            slot = session.slot if session is not None and not session.pending else None
+            session = _Session(verifier, rnd - 1, robot=req.robot, slot=slot)
             self._sessions[rid] = session
             while len(self._sessions) > self.max_requests:
                 self._evict()
@@ -725,9 +816,12 @@ class RobotPolicy:
     on_edge_loss: str = "drafter_only"
     edge_retry_s: float = 2.0
     edge_wait_s: float = 120.0  # how long to wait for a loading edge (any mode) or a silent one (mode wait)
+    placement: str = "split"  # auto | split | edge | robot (sd.placement)
 
     def __post_init__(self) -> None:
         """ValueError naming the field of a request the robot cannot run."""
+        if self.placement not in PLACEMENT_MODES:
+            raise ValueError(f"placement: '{self.placement}' is not one of {', '.join(PLACEMENT_MODES)}")
         methods = (Method.GREEDY.value, Method.REJECT.value, Method.WISV.value, Method.FLY.value)
         if self.method not in methods:
             raise ValueError(f"method '{self.method}' is not served by drafter_node (the robot side); use one of {', '.join(methods)}")
@@ -758,7 +852,11 @@ class RobotResult:
 
     token_ids: list[int] = dataclasses.field(default_factory=list)
     rounds: int = 0  # rounds that committed tokens (a resent block is the same round)
-    drafter_only_rounds: int = 0  # of rounds, those committed without the edge
+    drafter_only_rounds: int = 0  # of rounds, those committed without the edge while it was lost
+    edge_rounds: int = 0  # of rounds, those the edge generated alone (placement edge)
+    robot_rounds: int = 0  # of rounds, those the drafter committed alone by choice (placement robot)
+    placement: str = ""  # the placement of the last round
+    placement_reason: str = ""  # why (sd.placement.Choice.reason)
     copy_rounds: int = 0
     copy_committed: int = 0
     draft_time_s: float = 0.0
@@ -783,8 +881,10 @@ def check_reply(req: BlockRequest, reply: EdgeReply) -> str | None:
         return f"verifier error: {reply.error}"
     n = len(reply.committed_ids)
     copied = reply.copy_committed
-    if (not 1 <= n - copied <= len(req.token_ids) + 1 or reply.committed_length != req.prefix_length + n
-            or (copied and not req.copy_budget)):
+    edge_round = req.method == Method.TARGET_ONLY.value  # the edge generated: up to k tokens, copies among them
+    most = req.k if edge_round else len(req.token_ids) + 1
+    if (not 1 <= n - copied <= most or reply.committed_length != req.prefix_length + n
+            or (copied and not req.copy_budget and not edge_round)):
         return (f"inconsistent verdict: {n} committed ids ({copied} copied), committed_length "
                 f"{reply.committed_length}, block prefix_length {req.prefix_length}")
     return None
@@ -804,6 +904,10 @@ class RobotSession:
         log: ``log(level, text)`` with level "info" or "warning" (None: silent).
         clock: monotonic seconds (tests replace it); sleep: waits that many seconds (likewise).
         mean_mismatch: the running mean of rejected draft positions to start from (``protocol_for``).
+        channel: the latest channel state (None: none yet), for the placement model.
+        placer: ``sd.placement.PlacementModel`` that places each round (kept across requests by the
+            caller; its ``mode`` is set to ``policy.placement``); None with placement split: every
+            round is split; None otherwise: a new model for this request.
         projection: the decision head's drafter part (``wisv.head.DraftProjection``): blocks under fh
             and sh carry its [K, hidden] projections of the hiddens (``BlockRequest.head_id``) instead
             of the [K, d_D] hiddens (pre-projected FH uplink); None = raw hiddens. An edge that refuses
@@ -816,8 +920,16 @@ class RobotSession:
                  protocol_for: Callable[[int, float], str] = lambda _k, _m: "ids",
                  log: Callable[[str, str], None] | None = None, clock: Callable[[], float] = time.monotonic,
                  mean_mismatch: float = 0.0, sleep: Callable[[float], None] = time.sleep,
-                 projection: DraftProjection | None = None):
+                 projection: DraftProjection | None = None, channel: Callable[[], ChannelState | None] = lambda: None,
+                 placer: PlacementModel | None = None):
         self.drafter, self.request_id, self.policy, self.link, self.eos = drafter, request_id, policy, link, eos
+        self.channel = channel
+        if placer is None and policy.placement != "split":
+            placer = PlacementModel(WireFormat(hidden_dim=drafter.lm.hidden_size), mode=policy.placement)
+        if placer is not None:
+            placer.mode = policy.placement
+        self.placer = placer
+        self.round_placement = "split"  # where the latest round ran (split, edge, robot)
         self.projection = projection
         self.sleep = sleep
         self.target_prompt = list(target_prompt)
@@ -830,12 +942,15 @@ class RobotSession:
         drafter.begin(drafter_prompt, len(self.target_prompt))
 
     def run(self, on_commit: Callable[[list[int], int], None] | None = None,
-            on_round: Callable[[DraftBlock, EdgeReply | None, int], None] | None = None,
+            on_round: Callable[[DraftBlock | None, EdgeReply | None, int], None] | None = None,
             cancelled: Callable[[], bool] = lambda: False) -> RobotResult:
         """Rounds until ``max_new_tokens``, an end-of-sequence token or ``cancelled()``.
 
-        on_commit(new ids, round_id) after each round that committed tokens; on_round(block, reply or
-        None for a drafter-only round, tokens generated before the round). Raises ``EdgeLost``.
+        Each round runs where ``placer`` puts it (``sd.placement``; without one every round is split):
+        split (a drafted block verified by the edge), edge (the edge generates, ``target_only``) or
+        robot (the drafter's block committed as it is). on_commit(new ids, round_id) after each round
+        that committed tokens; on_round(block or None for an edge round, reply or None for a round
+        without the edge, tokens generated before the round). Raises ``EdgeLost``.
         """
         p, d, res = self.policy, self.drafter, RobotResult()
         out = res.token_ids
@@ -847,14 +962,27 @@ class RobotSession:
         round_id = 0  # blocks sent or drafted alone (BlockRequest.round_id)
         done = p.max_new_tokens <= 0
         while not done and not cancelled():
-            block = d.draft(p.k)
-            res.draft_time_s += block.draft_time_s
-            if not block.token_ids:
-                raise EdgeLost(f"round {round_id}: the drafter proposed no token (cross-tokenizer alignment)")
+            ch = self.channel()
+            where, chunk = "split", 0
+            if self.placer is not None:
+                choice = self.placer.choose(ch)
+                where, chunk = choice.placement, choice.edge_chunk
+                res.placement, res.placement_reason = where, choice.reason
+            try_edge = where != "robot" and (not edge_down or (self.clock() >= next_try and self.link.edge_present()))
+            block = None
+            if where != "edge" or not try_edge:  # (a lost edge: the drafter goes on alone)
+                block = self._draft()
+                res.draft_time_s += block.draft_time_s
             reply = None
-            if not edge_down or (self.clock() >= next_try and self.link.edge_present()):
-                req = self._request(block, round_id, need_context, copy_budget=p.max_new_tokens - len(out) - len(block.token_ids) - 1)
+            if try_edge:
+                if block is None:
+                    req = self._edge_request(round_id, need_context, min(chunk, p.max_new_tokens - len(out)))
+                else:
+                    req = self._request(block, round_id, need_context,
+                                        copy_budget=p.max_new_tokens - len(out) - len(block.token_ids) - 1)
+                t_sent = self.clock()
                 reply, err = self._exchange(req, probe=edge_down, cancelled=cancelled)
+                wait_s = self.clock() - t_sent
                 if reply is None and cancelled():
                     break
                 round_id += 1
@@ -877,10 +1005,12 @@ class RobotSession:
                         raise EdgeLost(f"edge lost in round {round_id - 1}: {err}")
                 if err is None:
                     need_context, edge_down, unknown, waiting_since = False, False, 0, None
-                    self.mean_mismatch = 0.8 * self.mean_mismatch + 0.2 * (len(block.token_ids) - reply.accepted)
                     res.edge_time_s += reply.edge_time_s
                     res.copy_rounds += reply.copy_rounds
                     res.copy_committed += reply.copy_committed
+                    if block is not None:
+                        self.mean_mismatch = 0.8 * self.mean_mismatch + 0.2 * (len(block.token_ids) - reply.accepted)
+                    self._observe(block, reply, req.protocol, wait_s, ch)
                 elif reply is not None and reply.error.startswith(UNKNOWN_REQUEST) and unknown < 2:
                     self.log("info", f"request {self.request_id}: {err}")  # the edge restarted: resend the context
                     need_context, unknown = True, unknown + 1
@@ -900,11 +1030,20 @@ class RobotSession:
                     reply = None
             else:
                 round_id += 1
-            if reply is None:  # drafter-only round: commit the drafter's own tokens
+            if reply is None:  # a round without the edge: commit the drafter's own tokens
+                if block is None:  # an edge round whose edge was lost
+                    block = self._draft()
+                    res.draft_time_s += block.draft_time_s
                 committed = list(block.token_ids)
-                res.drafter_only_rounds += 1
+                if where == "robot":
+                    res.robot_rounds += 1
+                else:
+                    res.drafter_only_rounds += 1
+                need_context = True  # the edge has not seen these tokens
             else:
                 committed = list(reply.committed_ids)
+                res.edge_rounds += block is None
+            self.round_placement = "robot" if reply is None else where
             if on_round is not None:
                 on_round(block, reply, len(out))
             d.commit(committed)
@@ -914,6 +1053,34 @@ class RobotSession:
             if on_commit is not None and new:
                 on_commit(new, round_id - 1)
         return res
+
+    def _draft(self) -> DraftBlock:
+        block = self.drafter.draft(self.policy.k)
+        if not block.token_ids:
+            raise EdgeLost("the drafter proposed no token (cross-tokenizer alignment)")
+        if self.placer is not None:
+            self.placer.observe_draft(len(block.token_ids), block.draft_time_s)
+        return block
+
+    def _observe(self, block: DraftBlock | None, reply: EdgeReply, protocol: str, wait_s: float,
+                 ch: ChannelState | None) -> None:
+        """Tell the placement model what a round cost (split or edge)."""
+        if self.placer is None:
+            return
+        self.placer.observe_report(reply.edge_token_s, reply.edge_load)
+        if block is None:
+            self.placer.observe_edge(len(reply.committed_ids), reply.edge_time_s, wait_s, ch)
+        else:
+            self.placer.observe_split(len(block.token_ids), block.draft_time_s, len(reply.committed_ids),
+                                      reply.edge_time_s, wait_s, protocol, len(block.token_ids) - reply.accepted, ch)
+
+    def _edge_request(self, round_id: int, need_context: bool, k: int) -> BlockRequest:
+        """Placement edge: ask the edge for up to ``k`` tokens of its own (method target_only)."""
+        d = self.drafter
+        return BlockRequest(
+            request_id=self.request_id, round_id=round_id, prefix_length=d.target_prefix_length, token_ids=[],
+            k=max(1, k), protocol="ids", method=Method.TARGET_ONLY.value, temperature=self.policy.temperature,
+            context_ids=self.target_prompt + d.committed if need_context else [])
 
     def _request(self, block: DraftBlock, round_id: int, need_context: bool, copy_budget: int) -> BlockRequest:
         p = self.policy
@@ -1046,13 +1213,16 @@ def generate(
                            protocol_for=lambda _k, _m: "fh", projection=projection)
     out: list[int] = []
 
-    def account(block: DraftBlock, reply: EdgeReply | None, n_before: int) -> None:
+    def account(block: DraftBlock | None, reply: EdgeReply | None, n_before: int) -> None:
         have = n_before
         parts = [reply.verdict] + reply.copies
         for part in parts:
             new, _ = clip(part.committed_ids, have, max_new_tokens, eos)
             if part.copy_round:
                 stats.observe_copy_round(accepted=part.accepted, committed=len(new), target_time_s=part.target_time_s)
+            elif block is None:  # an edge round (placement edge): the target's own tokens
+                stats.observe_round(drafted=0, accepted=0, committed=len(new), mismatches=0, draft_time_s=0.0,
+                                    target_time_s=part.target_time_s, head_time_s=0.0)
             else:
                 stats.observe_round(drafted=len(block.token_ids), accepted=part.accepted, committed=len(new),
                                     mismatches=len(part.mismatches), draft_time_s=block.draft_time_s,
