@@ -130,6 +130,9 @@ def test_an_edge_round_generates_the_targets_own_tokens(target, reference):
     assert bad.error.startswith("token_ids: method target_only")
     big = edge.handle(BlockRequest("e2", 0, len(PROMPT), [], k=17, method="target_only", context_ids=list(PROMPT)))
     assert big.error.startswith("k: method target_only asks the edge for 1..max_block = 16")
+    capped = EdgeSessions(target, max_edge_tokens=3)  # asked for 10, the edge makes 3 and says so by the count
+    short = capped.handle(BlockRequest("e3", 0, len(PROMPT), [], k=10, method="target_only", context_ids=list(PROMPT)))
+    assert short.committed_ids == reference[:3]
 
 
 def test_measure_token_s_leaves_the_cache_empty(target):

@@ -19,6 +19,11 @@ What it measures, on this machine, with the default pair on llama.cpp (one threa
 3. **Target alone, streaming** to the N robots: the target decodes the N answers itself, one token
    per robot per pass, all robots' tokens in one pass (the continuous batching a serving engine
    does).
+4. **Projected** (``--profile``, default ``orin_robot_l4_edge`` of ``config/hardware_profiles.yaml``):
+   the same recorded blocks with every compute time from the profile instead of this machine: the
+   robot device's drafter time per token, and the edge device's pass over each robot's tokens
+   (sequential), over all of them (batched), or one token per robot (target alone). Rows named
+   "(projected, <profile>)"; ``--project-only`` skips the measured replay.
 
 A robot's round takes its measured drafting time, the link's exchange (the cost model of
 ``link.channel``: ids up, the verdict down, ``--scenario``), and its wait at the edge; a lock-step
@@ -170,6 +175,60 @@ def target_alone(target, robots: list[dict], state) -> dict:
             "edge_s": compute, "latency": lat, "target_passes": target.forward_passes - passes0, "differs": 0}
 
 
+def project(robots: list[dict], mode: str, state, deployment) -> dict:
+    """The recorded blocks in lock-step as ``replay`` runs them, every compute time from a hardware
+    profile (``eval.latency``; a projection, not a measurement): the drafter's ``token_s`` per drafted
+    token (and its prompt's prefill) on the robot device, and on the edge device one pass over each
+    robot's tokens (``sequential``: one after another, the order rotating) or one pass over all of
+    them (``batched``), or, ``target_alone``, one pass a token over every robot still answering."""
+    from wisv_ros.link.channel import WireFormat, downlink_bytes_verdict, exchange_time_s, uplink_bytes_ids
+
+    fmt = WireFormat(hidden_dim=1)
+    tgt, dft = deployment.edge.model(deployment.target), deployment.robot.model(deployment.drafter)
+    n = len(robots)
+    robot_time, committed, wall, edge_s, passes = [0.0] * n, [0] * n, 0.0, 0.0, 0
+    if mode == "target_alone":
+        edge_s = tgt.block(sum(len(r["prompt"]) for r in robots))  # every prompt in one prefill pass
+        passes = 1
+        for step in range(max(r["tokens"] for r in robots)):
+            active = sum(step < r["tokens"] for r in robots)
+            edge_s += tgt.token_s if active == 1 else tgt.block(active)
+            passes += 1
+        lat = [1000 * (edge_s + exchange_time_s(len(r["prompt"]) * fmt.id_bytes, downlink_bytes_verdict(fmt, 1), state))
+               / r["tokens"] for r in robots]
+        return {"tokens": sum(r["tokens"] for r in robots), "wall_s": edge_s + max(
+            exchange_time_s(len(r["prompt"]) * fmt.id_bytes, downlink_bytes_verdict(fmt, 1), state) for r in robots),
+                "edge_s": edge_s, "latency": lat, "target_passes": passes, "differs": 0}
+    for r in range(max(len(x["blocks"]) for x in robots)):
+        active = [j for j in range(n) if r < len(robots[j]["blocks"])]
+        fed = {j: (len(robots[j]["prompt"]) if r == 0 else 1) + len(robots[j]["blocks"][r]["token_ids"]) for j in active}
+        done_at = {}
+        if mode == "sequential":
+            t = 0.0
+            for j in active[r % len(active):] + active[:r % len(active)]:
+                t += tgt.block(fed[j])
+                done_at[j] = t
+            passes += len(active)
+        else:
+            t = tgt.block(sum(fed.values()))
+            done_at = dict.fromkeys(active, t)
+            passes += 1
+        edge_s += t
+        slowest = 0.0
+        for j in active:
+            b = robots[j]["blocks"][r]
+            draft = dft.token_s * len(b["token_ids"]) + (dft.block(len(robots[j]["prompt"])) if r == 0 else 0.0)
+            up = uplink_bytes_ids(fmt, len(b["token_ids"])) + (len(robots[j]["prompt"]) * fmt.id_bytes if r == 0 else 0)
+            rt = draft + exchange_time_s(up, downlink_bytes_verdict(fmt, len(b["committed"])), state) + done_at[j]
+            robot_time[j] += rt
+            committed[j] += len(b["committed"])
+            slowest = max(slowest, rt)
+        wall += slowest
+    lat = [1000 * robot_time[j] / committed[j] for j in range(n) if committed[j]]
+    return {"tokens": sum(committed), "wall_s": wall, "edge_s": edge_s, "latency": lat, "target_passes": passes,
+            "differs": 0}
+
+
 def _row(n: int, system: str, res: dict) -> dict:
     tokens = res["tokens"]
     return {"robots": n, "system": system, "tokens": tokens, "wall_s": round(res["wall_s"], 3),
@@ -220,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scenario", default="20mbps_50ms", help="channel of every robot's link (default 20mbps_50ms)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per model (default 1)")
     p.add_argument("--out", default="runs/fleet", help="folder of fleet.csv and fleet.png (default runs/fleet)")
+    p.add_argument("--profile", default="orin_robot_l4_edge",
+                   help="deployment of config/hardware_profiles.yaml for the projected rows ('' = none; default %(default)s)")
+    p.add_argument("--project-only", action="store_true",
+                   help="record the robots' blocks, then only project them (no measured replay on this machine)")
     args = p.parse_args(argv)
     try:
         sizes = sorted({int(x) for x in args.robots.split(",") if x.strip()})
@@ -234,6 +297,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.scenario not in SCENARIOS:
         p.error(f"--scenario: {args.scenario!r} is not one of {', '.join(SCENARIOS)}")
     state = SCENARIOS[args.scenario]
+    deployment = None
+    if args.profile:
+        from wisv_ros.eval.latency import load_profiles
+
+        deployment = load_profiles().deployment(args.profile)  # ValueError names the profile
+    elif args.project_only:
+        p.error("--project-only needs --profile")
 
     from wisv_ros.eval.datasets import build_prompt, load_gsm8k
     from wisv_ros.sd.drafting import encode_prompt
@@ -249,11 +319,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"recording {n_max} robots' greedy SD alone ...", file=sys.stderr)
     robots = record(drafter, target, prompts, args.max_new_tokens, args.k, args.min_confidence)
     rows = []
+    systems = [] if args.project_only else [
+        ("split, sequential verification", lambda f: replay(target, f, "sequential", args.k, state)),
+        ("split, batched verification", lambda f: replay(target, f, "batched", args.k, state)),
+        ("target alone, streaming", lambda f: target_alone(target, f, state))]
+    if deployment is not None:  # the same recorded blocks, priced by the hardware profile
+        tag = f" (projected, {deployment.name})"
+        systems += [(name + tag, lambda f, m=mode: project(f, m, state, deployment)) for name, mode in
+                    (("split, sequential verification", "sequential"), ("split, batched verification", "batched"),
+                     ("target alone, streaming", "target_alone"))]
     for n in sizes:
         fleet = robots[:n]
-        for system, fn in (("split, sequential verification", lambda f: replay(target, f, "sequential", args.k, state)),
-                           ("split, batched verification", lambda f: replay(target, f, "batched", args.k, state)),
-                           ("target alone, streaming", lambda f: target_alone(target, f, state))):
+        for system, fn in systems:
             rows.append(_row(n, system, fn(fleet)))
             print(f"N={n} {system}: {rows[-1]['system_tokens_s']} tokens/s", file=sys.stderr)
     out = Path(args.out)
@@ -269,10 +346,10 @@ def main(argv: list[str] | None = None) -> int:
     print("| robots | system | system tokens/s | latency ms/token: median / p95 robot | target passes per token | "
           "batched vs sequential (tokens/s) | verdicts differing |")
     print("|---|---|---|---|---|---|---|")
-    seq = {r["robots"]: r for r in rows if r["system"].endswith("sequential verification")}
+    seq = {(r["robots"], r["system"].replace("sequential", "batched")): r for r in rows if "sequential verification" in r["system"]}
     for r in rows:
-        ratio = (f"{r['system_tokens_s'] / seq[r['robots']]['system_tokens_s']:.2f}x"
-                 if r["system"].endswith("batched verification") and seq[r["robots"]]["system_tokens_s"] else "")
+        base = seq.get((r["robots"], r["system"]))
+        ratio = f"{r['system_tokens_s'] / base['system_tokens_s']:.2f}x" if base and base["system_tokens_s"] else ""
         print(f"| {r['robots']} | {r['system']} | {r['system_tokens_s']} | {r['latency_ms_median']} / {r['latency_ms_p95']} | "
               f"{r['passes_per_token']} | {ratio} | {r['differs']} |")
     print(f"\nwrote {out / 'fleet.csv'} and {out / 'fleet.png'}")

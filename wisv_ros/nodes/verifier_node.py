@@ -147,6 +147,9 @@ class VerifierNode(ServingNode):
                 "on the node's own topics")
         declare(self, "max_queue", 64, "blocks waiting for the verification thread at most; a block beyond it is answered "
                 "'edge busy' at once and the drafter resends it later", lo=1, hi=100000)
+        declare(self, "max_edge_tokens", 32, "an edge round (a robot's placement edge: the target generates alone) makes "
+                "at most this many tokens, whatever it asks: it holds the target that many passes while other robots' "
+                "blocks wait", lo=1, hi=1024)
         declare(self, "max_block", 256, "most draft tokens one block may carry (drafter_node allows k up to 256)", lo=1, hi=1024)
         declare(self, "seed", 0, "seed of rejection sampling", lo=0, hi=2**31 - 1)
         declare(self, "threads", 1, "CPU threads of the target's engine", lo=1, hi=256)
@@ -287,6 +290,7 @@ class VerifierNode(ServingNode):
                                       seed=int(self._param("seed")), max_requests=int(self._param("max_requests")),
                                       copy_max_rounds=int(self._param("copy_max_rounds")), round_log=self._round_log,
                                       max_context=int(self._param("max_context")), max_block=int(self._param("max_block")),
+                                      max_edge_tokens=int(self._param("max_edge_tokens")),
                                       channel_tau=(None if self._tau_schedule is None else
                                                    lambda req: self._tau_schedule.tau_for(self._channel_state(req.robot))))
             # Warm-up (the first passes page the weights in) and the prior of Verdict.edge_token_s.
@@ -422,6 +426,7 @@ class VerifierNode(ServingNode):
             edge.method, edge.max_requests = Method(self._param("method")), int(self._param("max_requests"))
             edge.copy_max_rounds, edge.seed = int(self._param("copy_max_rounds")), int(self._param("seed"))
             edge.fly_entropy, edge.fly_window = float(self._param("fly_entropy")), int(self._param("fly_window"))
+            edge.max_edge_tokens = int(self._param("max_edge_tokens"))
         return edge
 
     def _not_loaded(self, msg) -> EdgeReply:

@@ -98,6 +98,7 @@ class PlacementModel:
         self.split_protocol = "ids"
         self.edge_token_s = _Ewma(alpha)  # the edge's time per generated token, as the robot saw it
         self.overhead_s = _Ewma(alpha)  # per exchange: measured wait - edge time - modelled link
+        self.local_s = _Ewma(alpha)  # per round on the robot beside drafting and the wait (commit, streaming)
         self.robot_token_s = _Ewma(alpha)  # drafting per drafted token
         self.reported_token_s: float | None = None  # Verdict.edge_token_s
         self.edge_load = 0.0  # Verdict.edge_load
@@ -137,6 +138,11 @@ class PlacementModel:
         if math.isfinite(edge_load):
             self.edge_load = min(max(float(edge_load), 0.0), 0.95)
 
+    def observe_local(self, seconds: float) -> None:
+        """A round's time on the robot outside drafting and the wait for the edge (committing,
+        streaming the text, the executor): paid once a round by every placement."""
+        self.local_s.add(max(0.0, seconds))
+
     def _observe_overhead(self, x: float) -> None:
         self.overhead_s.add(max(0.0, x))
 
@@ -174,21 +180,25 @@ class PlacementModel:
         t1 = self.edge_compute_s()
         if t1 is None or t1 <= 0:
             return 8
-        fixed = (ch.rtt_s if ch is not None else 0.0) + (self.overhead_s.value or 0.0)
+        fixed = (ch.rtt_s if ch is not None else 0.0) + (self.overhead_s.value or 0.0) + (self.local_s.value or 0.0)
         return int(min(32, max(1, math.ceil(fixed / (self.chunk_overhead * t1)))))
 
     def expected(self, ch: ChannelState | None) -> dict[str, float | None]:
         """Seconds per committed token of each placement on channel ``ch`` (None: not known yet)."""
-        over = self.overhead_s.value or 0.0
-        out: dict[str, float | None] = {"split": None, "edge": None, "robot": self.robot_token_s.value}
+        over = self.overhead_s.value or 0.0  # per exchange
+        local = self.local_s.value or 0.0  # per round
+        robot = self.robot_token_s.value
+        if robot is not None and self.split_drafted.value:
+            robot += local / self.split_drafted.value
+        out: dict[str, float | None] = {"split": None, "edge": None, "robot": robot}
         if self.split_committed.value:
             c = self.split_committed.value
             link = self._split_link_s(ch, self.split_drafted.value, c, self.split_mismatch.value, self.split_protocol)
-            out["split"] = (self.split_draft_s.value + self.split_edge_s.value + link + over) / c
+            out["split"] = (self.split_draft_s.value + self.split_edge_s.value + link + over + local) / c
         t1 = self.edge_compute_s()
         if t1 is not None:
             n = self.chunk(ch)
-            out["edge"] = (n * t1 + self._edge_link_s(ch, n) + over) / n
+            out["edge"] = (n * t1 + self._edge_link_s(ch, n) + over + local) / n
         return out
 
     # ------------------------------------------------------------------ the decision

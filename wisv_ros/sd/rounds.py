@@ -219,6 +219,9 @@ class EdgeSessions:
             reply projected by another head is refused (``HeadMismatch``, the error names
             ``head_id``).
         fly_entropy, fly_window: method fly's entropy gate and deferred window (``acceptance.fly_accept``).
+        max_edge_tokens: an edge round (method target_only) generates at most this many tokens, whatever
+            its ``k`` asks (the reply commits fewer): one robot's edge round holds the target for at most
+            that many passes while other robots' blocks wait.
         channel_tau: τ per channel (``link.channel.TauSchedule``): called with every wisv block
             (``BlockRequest``: its ``robot`` names whose channel), its value replaces the block's own
             ``tau`` (None: the block's tau holds).
@@ -232,9 +235,11 @@ class EdgeSessions:
                  verifier_for: Callable[[], Verifier] | None = None,
                  round_log: Callable[[RoundRecord], None] | None = None,
                  max_context: int = 8192, max_block: int = 256, head_id: str | None = None, fly_entropy: float = 0.6, fly_window: int = 6,
-                 channel_tau: Callable[[BlockRequest], float] | None = None):
-        if max_context < 2 or max_block < 1:
-            raise ValueError(f"max_context must be >= 2 and max_block >= 1 (got {max_context}, {max_block})")
+                 channel_tau: Callable[[BlockRequest], float] | None = None, max_edge_tokens: int = 32):
+        if max_context < 2 or max_block < 1 or max_edge_tokens < 1:
+            raise ValueError(f"max_context must be >= 2, max_block and max_edge_tokens >= 1 (got {max_context}, {max_block}, "
+                             f"{max_edge_tokens})")
+        self.max_edge_tokens = max_edge_tokens
         self.max_context = max_context
         self.max_block = max_block
         self.fly_entropy, self.fly_window = fly_entropy, fly_window
@@ -336,12 +341,13 @@ class EdgeSessions:
         committed: list[int] = []
         prefill_tokens, prefill_s = session.prefill_tokens, session.prefill_s
         session.prefill_tokens, session.prefill_s = 0, 0.0
-        while len(committed) < req.k and not self._eos.intersection(committed):
+        want = min(req.k, self.max_edge_tokens)
+        while len(committed) < want and not self._eos.intersection(committed):
             probs = torch.zeros((0, self.lm.vocab_size)) if v.method == Method.REJECT else None
             step = v.verify(DraftBlock(token_ids=[], hidden=None, probs=probs, prefix_length=len(v.context)))
             steps.append(step)
             committed += step.committed_ids
-            more = self._copy_rounds(v, step.committed_ids, req.k - len(committed))
+            more = self._copy_rounds(v, step.committed_ids, want - len(committed))
             copies += more
             committed += [t for c in more for t in c.committed_ids]
         compute_s = sum(s.target_time_s for s in steps)
@@ -962,6 +968,7 @@ class RobotSession:
         round_id = 0  # blocks sent or drafted alone (BlockRequest.round_id)
         done = p.max_new_tokens <= 0
         while not done and not cancelled():
+            t_round, wait_s = self.clock(), 0.0
             ch = self.channel()
             where, chunk = "split", 0
             if self.placer is not None:
@@ -1010,7 +1017,8 @@ class RobotSession:
                     res.copy_committed += reply.copy_committed
                     if block is not None:
                         self.mean_mismatch = 0.8 * self.mean_mismatch + 0.2 * (len(block.token_ids) - reply.accepted)
-                    self._observe(block, reply, req.protocol, wait_s, ch)
+                    if not req.context_ids:  # (a round that carried the context paid its prefill too)
+                        self._observe(block, reply, req.protocol, wait_s, ch)
                 elif reply is not None and reply.error.startswith(UNKNOWN_REQUEST) and unknown < 2:
                     self.log("info", f"request {self.request_id}: {err}")  # the edge restarted: resend the context
                     need_context, unknown = True, unknown + 1
@@ -1052,6 +1060,9 @@ class RobotSession:
             out.extend(new)
             if on_commit is not None and new:
                 on_commit(new, round_id - 1)
+            if self.placer is not None:
+                drafted = block.draft_time_s if block is not None else 0.0
+                self.placer.observe_local(self.clock() - t_round - drafted - wait_s)
         return res
 
     def _draft(self) -> DraftBlock:
