@@ -43,6 +43,7 @@ class DraftBlock:
     probs: torch.Tensor | None
     prefix_length: int
     draft_time_s: float = 0.0
+    caught_up: int = 0  # committed tokens the drafter fed before drafting (its prompt, tokens made elsewhere)
 
 
 def same_vocabulary(drafter_tok, target_tok) -> bool:
@@ -159,6 +160,7 @@ class Drafter:
         t0 = time.perf_counter()
         context = self.context_ids()
         todo = self.lm.sync(context)
+        caught_up = len(todo) - 1  # the last committed token is fed with the first draft step in any case
         ids: list[int] = []
         hiddens: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
@@ -195,6 +197,7 @@ class Drafter:
             probs=torch.stack(probs) if probs else None,
             prefix_length=self.target_prefix_length,
             draft_time_s=time.perf_counter() - t0,
+            caught_up=caught_up,
         )
 
     def _to_target(self, context, ids, hiddens, k) -> tuple[list[int], torch.Tensor]:

@@ -896,6 +896,9 @@ def check_reply(req: BlockRequest, reply: EdgeReply) -> str | None:
     return None
 
 
+_CATCH_UP = 2  # a drafted block that first fed more committed tokens than this paid a prefill: not a sample
+
+
 class RobotSession:
     """The robot side of one request: the one round loop of the project.
 
@@ -1017,7 +1020,8 @@ class RobotSession:
                     res.copy_committed += reply.copy_committed
                     if block is not None:
                         self.mean_mismatch = 0.8 * self.mean_mismatch + 0.2 * (len(block.token_ids) - reply.accepted)
-                    if not req.context_ids:  # (a round that carried the context paid its prefill too)
+                    # Not a round that paid a prefill: the context on the edge, or a catch-up on the robot.
+                    if not req.context_ids and (block is None or block.caught_up <= _CATCH_UP):
                         self._observe(block, reply, req.protocol, wait_s, ch)
                 elif reply is not None and reply.error.startswith(UNKNOWN_REQUEST) and unknown < 2:
                     self.log("info", f"request {self.request_id}: {err}")  # the edge restarted: resend the context
@@ -1069,7 +1073,7 @@ class RobotSession:
         block = self.drafter.draft(self.policy.k)
         if not block.token_ids:
             raise EdgeLost("the drafter proposed no token (cross-tokenizer alignment)")
-        if self.placer is not None:
+        if self.placer is not None and block.caught_up <= _CATCH_UP:  # (not a prompt's prefill on the robot)
             self.placer.observe_draft(len(block.token_ids), block.draft_time_s)
         return block
 
