@@ -131,7 +131,7 @@ def recorded(ros, tmp_path_factory):
     head = _channel_head(tmp / "head.onnx")
     procs = [
         _node("verifier_node", SRC_NS, logs["verifier"], target_model=TARGET, target_dtype="float32", head_path=head),
-        _node("drafter_node", SRC_NS, logs["drafter"], drafter_model=DRAFTER, min_confidence=0.0),
+        _node("drafter_node", SRC_NS, logs["drafter"], drafter_model=DRAFTER, min_confidence=0.0, placement="split"),
     ]
     block_pub = ros.create_publisher(DraftBlock, f"{SRC_NS}/draft_block", RELIABLE_QOS)
     # A link monitor's channel_state publisher: transient-local; its first estimate predates the recorder.

@@ -489,12 +489,14 @@ def test_answers_survive_loss_duplicates_reordering_and_an_outage(ros_node, tmp_
         out = run.outcome(180.0)
         assert out.status_name == "succeeded", out.result.error + "\n" + launch.text()
         assert list(out.result.token_ids) == expected and out.feedback_ids() == expected
-        assert out.result.drafter_only_rounds == 0
+        assert out.result.drafter_only_rounds == 0 and out.result.edge_rounds > 0
         assert "resending the block" in launch.text() or "waiting up to edge_wait_s" in launch.text()
-        # A 4 s outage from 0.2 s after it is set; the next answer (K = 2: 60 rounds or more, at least
-        # 5 ms of RTT each) starts at once, so the link goes dark in the middle of it.
+        # (That answer ran on placement auto, the parameter files' default: its edge rounds came
+        # through the same faults.) A 4 s outage from 0.2 s after it is set; the next answer (split,
+        # K = 2: 60 rounds or more, at least 5 ms of RTT each) starts at once, so the link goes dark
+        # in the middle of it.
         set_string_parameter(ros_node, "/link_emulator", "fault_outages", "0.2:4")
-        run = client.start(" ".join(map(str, PROMPT_IDS)), max_new_tokens=n, k=2)
+        run = client.start(" ".join(map(str, PROMPT_IDS)), max_new_tokens=n, k=2, placement="split")
         out = run.outcome(180.0)
         assert out.status_name == "succeeded", out.result.error + "\n" + launch.text()
         assert list(out.result.token_ids) == expected and out.feedback_ids() == expected

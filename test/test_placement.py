@@ -135,6 +135,15 @@ def test_an_edge_round_generates_the_targets_own_tokens(target, reference):
     assert short.committed_ids == reference[:3]
 
 
+def test_a_sampled_edge_round_draws_from_the_target(target, reference):
+    edge = EdgeSessions(target, seed=3)
+    reply = edge.handle(BlockRequest("s1", 0, len(PROMPT), [], k=20, method="target_only", temperature=1.5,
+                                     context_ids=list(PROMPT)))
+    assert not reply.error and len(reply.committed_ids) == 20
+    assert all(0 <= t < target.vocab_size for t in reply.committed_ids)
+    assert reply.committed_ids != reference[:20]  # at temperature 1.5 a tiny random model wanders off its argmax
+
+
 def test_measure_token_s_leaves_the_cache_empty(target):
     edge = EdgeSessions(target)
     assert edge.measure_token_s() > 0 and target.cached == []

@@ -109,10 +109,11 @@ def run(args) -> tuple[list[dict], list[str]]:
     out.mkdir(parents=True, exist_ok=True)
     arguments = {"drafter_model": args.drafter, "target_model": args.target}
     # placement split: every goal exercises the blocks being fuzzed
-    sets = ["drafter.min_confidence:=0.0", "drafter.on_edge_loss:=error", "drafter.placement:=split", "verifier.target_dtype:=float32",
-            f"drafter.backend:={args.target_backend}", f"verifier.backend:={args.target_backend}"]
-    commands = build_commands("robot", arguments, sets[:2] + sets[3:4]) + build_commands(
-        "edge", {"target_model": args.target}, [sets[2], sets[4]])
+    robot_sets = ["drafter.min_confidence:=0.0", "drafter.on_edge_loss:=error", "drafter.placement:=split",
+                  f"drafter.backend:={args.target_backend}"]
+    edge_sets = ["verifier.target_dtype:=float32", f"verifier.backend:={args.target_backend}"]
+    commands = build_commands("robot", arguments, robot_sets) + build_commands(
+        "edge", {"target_model": args.target}, edge_sets)
     rows: list[dict] = []
     with running_graph(commands, out / "launch.log", "fuzz", args.wait) as (launcher, node, check):
         client = GenerateClient(node, "/robot/generate")

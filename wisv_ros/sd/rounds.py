@@ -342,8 +342,9 @@ class EdgeSessions:
         prefill_tokens, prefill_s = session.prefill_tokens, session.prefill_s
         session.prefill_tokens, session.prefill_s = 0, 0.0
         want = min(req.k, self.max_edge_tokens)
+        # REJECT (temperature > 0): the bonus token is sampled from the target, no draft to test.
+        probs = torch.zeros((0, self.lm.vocab_size)) if v.method == Method.REJECT else None
         while len(committed) < want and not self._eos.intersection(committed):
-            probs = torch.zeros((0, self.lm.vocab_size)) if v.method == Method.REJECT else None
             step = v.verify(DraftBlock(token_ids=[], hidden=None, probs=probs, prefix_length=len(v.context)))
             steps.append(step)
             committed += step.committed_ids
@@ -453,8 +454,6 @@ class EdgeSessions:
         if method == Method.REJECT:
             v.temperature = float(req.temperature)
         probs = torch.from_numpy(np.ascontiguousarray(req.draft_probs)) if req.draft_probs is not None else None
-        if probs is None and method == Method.REJECT and not req.token_ids:
-            probs = torch.zeros((0, self.lm.vocab_size))  # an edge round samples with no draft to test
         return session, DraftBlock(token_ids=list(req.token_ids), hidden=req.hidden, probs=probs,
                                    prefix_length=req.prefix_length, draft_time_s=req.draft_time_s)
 
