@@ -3,7 +3,9 @@
 # (resumable; CPU hours on a 2-core machine):
 #   bash tools/wisv_head.sh [stage...]      stages: traces labels train tau eval (default: all)
 # Environment: WISV_TRACES (trace folder, default data/traces/qwen in the checkout, so that labels
-# paid for in CPU hours can be committed), WISV_PROBLEMS (gsm_symbolic problems, default 400),
+# paid for in CPU hours can be committed), WISV_MORE_TRACES (further labelled folders the train
+# stage reads too, space-separated; default data/traces/qwen_s1, gsm_symbolic seed 1, where it
+# exists), WISV_PROBLEMS (gsm_symbolic problems, default 400),
 # WISV_THREADS (processes side by side for labelling and tau selection, default 2, one thread each),
 # WISV_ROUND_S (compute time of one round that the CSI relabeling prices a repair against, default 0.1 s:
 # a robot-class drafter and a GPU edge; on this CPU a round takes about 0.2 s and the link matters less).
@@ -21,6 +23,10 @@ PROBLEMS="${WISV_PROBLEMS:-400}"
 THREADS="${WISV_THREADS:-2}"
 ROUND_S="${WISV_ROUND_S:-0.1}"
 HEADS=config/heads
+MORE=()
+for folder in ${WISV_MORE_TRACES-data/traces/qwen_s1}; do
+  [[ -d "$folder" ]] && MORE+=(--traces "$folder")
+done
 stages=("$@")
 ((${#stages[@]})) || stages=(traces labels train tau eval)
 python -m wisv_ros.cli.models prepare qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct
@@ -37,8 +43,8 @@ for stage in "${stages[@]}"; do
             python -m wisv_ros.cli.traces summary --out "$TRACES" ;;
     train)  mkdir -p "$HEADS"  # the shipped heads' commands (their sidecars record them)
             H=(--hidden 64 --dropout 0.5 --lr 3e-4 --weight-decay 1e-2 --round-compute-s "$ROUND_S" --cv)
-            python -m wisv_ros.cli.train_head --traces "$TRACES" --out "$HEADS/default.onnx" "${H[@]}"
-            python -m wisv_ros.cli.train_head --traces "$TRACES" --out "$HEADS/default_no_csi.onnx" "${H[@]}" --no-csi ;;
+            python -m wisv_ros.cli.train_head --traces "$TRACES" "${MORE[@]}" --out "$HEADS/default.onnx" "${H[@]}"
+            python -m wisv_ros.cli.train_head --traces "$TRACES" "${MORE[@]}" --out "$HEADS/default_no_csi.onnx" "${H[@]}" --no-csi ;;
     tau)    pids=()
             for ((i = 0; i < THREADS; i++)); do  # one process per core; the last to finish picks and writes tau
               python -m wisv_ros.cli.select_tau --head "$HEADS/default.onnx" --problems 60 --threads 1 \
