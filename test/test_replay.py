@@ -251,3 +251,29 @@ def test_evaluate_live_rejects_bad_settings(capsys):
     with pytest.raises(SystemExit):
         evaluate.main(["live", "--k", "0"])
     assert "--k" in capsys.readouterr().err
+
+
+def test_tau_points_start_at_greedy_and_follow_each_wisv_system(tmp_path):
+    """The report's accuracy/latency-against-tau curve: every WISV system decoded live on its own
+    channel, plus greedy SD at the same K as tau 0 (the target's greedy accuracy)."""
+    from wisv_ros.cli import evaluate
+
+    def row(system, scenario, ms, aal=5.0, dep="embedded_default"):
+        return {"dataset": "gsm8k", "system": system, "deployment": dep, "scenario": scenario, "ms_per_token": ms, "aal": aal}
+
+    rows = [row("greedy_k8", "20mbps_50ms", 180.0), row("greedy_k8", "500mbps_5ms", 150.0),
+            row("wisv_k8_tau0.1_20mbps_50ms_default", "20mbps_50ms", 150.0, 7.0),
+            row("wisv_k8_tau0.1_20mbps_50ms_default", "500mbps_5ms", 120.0),  # not its channel: left out
+            row("wisv_k8_tau0.3_20mbps_50ms_default", "20mbps_50ms", 130.0, 8.0),
+            row("wisv_k8_tau0.3_20mbps_50ms_default", "20mbps_50ms", 99.0, dep="orin_robot_l4_edge"),
+            row("reject_k8_t1", "20mbps_50ms", 300.0)]
+    accuracy = [{"dataset": "gsm8k", "system": "target greedy (every replayed system)", "problems": 100, "accuracy": 0.56},
+                {"dataset": "gsm8k", "system": "wisv_k8_tau0.1_20mbps_50ms_default", "problems": 100, "accuracy": 0.55},
+                {"dataset": "gsm8k", "system": "wisv_k8_tau0.3_20mbps_50ms_default", "problems": 100, "accuracy": 0.5}]
+    pts = evaluate.tau_points(rows, accuracy, "embedded_default")
+    assert [(p["tau"], p["accuracy"], p["ms_per_token"]) for p in pts] == [(0.0, 0.56, 180.0), (0.1, 0.55, 150.0),
+                                                                           (0.3, 0.5, 130.0)]
+    assert {p["head"] for p in pts} == {"default"} and {p["channel"] for p in pts} == {"20mbps_50ms"}
+    assert evaluate.tau_points(rows[:2], accuracy[:1], "embedded_default") == []
+    evaluate._tau_plot(pts, tmp_path / "tau.png")
+    assert (tmp_path / "tau.png").stat().st_size > 1000

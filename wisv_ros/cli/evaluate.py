@@ -344,6 +344,11 @@ def cmd_report(args) -> int:
     replayed = list(csv.DictReader(open(replay_csv))) if replay_csv.is_file() else []
     claims = _switchsd_claims(rows, replayed)
     md += "\n" + claims
+    points = tau_points(rows, accuracy, args.deployment[0])
+    if points:  # WISV decoded live at one tau or more: accuracy and latency against tau
+        _write_csv(results / "tau.csv", points)
+        _tau_plot(points, results / "accuracy_latency_vs_tau.png")
+        md += "\nWISV against tau: [tau.csv](tau.csv), [accuracy_latency_vs_tau.png](accuracy_latency_vs_tau.png).\n"
     (results / "summary.md").write_text(md)
     _report_plots(rows, results)
     _update_readme(Path(args.readme), _report_markdown(rows, accuracy, args, README_SYSTEMS) + "\n" + claims
@@ -511,6 +516,54 @@ def _report_plots(rows: list[dict], results: Path) -> None:
     a1.legend()
     fig.tight_layout()
     fig.savefig(results / "copy.png")
+
+
+_WISV_NAME = re.compile(r"wisv_k(?P<k>\d+)_tau(?P<tau>[0-9.e+-]+)_(?P<channel>[a-z0-9_]+?mbps_\d+ms)_(?P<head>.+)")
+
+
+def tau_points(rows: list[dict], accuracy: list[dict], deployment: str) -> list[dict]:
+    """Accuracy and latency against tau of the WISV systems decoded live (``live_system_name``):
+    one row per (data set, K, channel, head, tau), the latency on the system's own channel and
+    ``deployment``; tau 0 is greedy SD at the same K (the replayed ``greedy_k<K>``, whose accuracy is
+    the target's greedy one). Empty without a WISV system."""
+    acc = {(a["dataset"], a["system"]): a for a in accuracy}
+    target = {a["dataset"]: a for a in accuracy if a["system"].startswith("target greedy")}
+    priced = {(r["dataset"], r["system"], r["scenario"]): r for r in rows if r["deployment"] == deployment}
+    out, curves = [], {}
+    for (ds, system, scenario), r in priced.items():
+        m = _WISV_NAME.fullmatch(system)
+        if m is None or scenario != m["channel"] or (ds, system) not in acc:
+            continue
+        key = dict(dataset=ds, k=int(m["k"]), channel=m["channel"], head=m["head"])
+        out.append(dict(key, tau=float(m["tau"]), accuracy=acc[(ds, system)]["accuracy"],
+                        problems=acc[(ds, system)]["problems"], ms_per_token=r["ms_per_token"], aal=r["aal"]))
+        curves[tuple(key.values())] = key
+    for (ds, k, channel, _head), key in curves.items():  # each curve starts at greedy SD
+        greedy = priced.get((ds, f"greedy_k{k}", channel))
+        if greedy is not None and ds in target:
+            out.append(dict(key, tau=0.0, accuracy=target[ds]["accuracy"], problems=target[ds]["problems"],
+                            ms_per_token=greedy["ms_per_token"], aal=greedy["aal"]))
+    return sorted(out, key=lambda p: (p["dataset"], p["k"], p["channel"], p["head"], p["tau"]))
+
+
+def _tau_plot(points: list[dict], path: Path) -> None:
+    """accuracy_latency_vs_tau.png: one curve per (data set, K, channel, head)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 3.8), dpi=100)
+    a1, a2 = fig.subplots(1, 2)
+    for key in dict.fromkeys((p["dataset"], p["k"], p["channel"], p["head"]) for p in points):
+        pts = [p for p in points if (p["dataset"], p["k"], p["channel"], p["head"]) == key]
+        label = f"{key[0]} K {key[1]} {key[2]} {key[3]}"
+        a1.plot([p["tau"] for p in pts], [100 * p["accuracy"] for p in pts], marker="o", label=label)
+        a2.plot([p["tau"] for p in pts], [p["ms_per_token"] for p in pts], marker="o", label=label)
+    a1.set(xlabel="tau (0 = greedy SD)", ylabel="accuracy (%)")
+    a2.set(xlabel="tau (0 = greedy SD)", ylabel="ms per token (own channel)")
+    for ax in (a1, a2):
+        ax.grid(alpha=0.3)
+    a1.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path)
 
 
 def _update_readme(readme: Path, md: str) -> None:
