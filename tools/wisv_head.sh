@@ -4,8 +4,8 @@
 #   bash tools/wisv_head.sh [stage...]      stages: traces labels train tau eval (default: all)
 # Environment: WISV_TRACES (trace folder, default data/traces/qwen in the checkout, so that labels
 # paid for in CPU hours can be committed), WISV_MORE_TRACES (further labelled folders the train
-# stage reads too, space-separated; default data/traces/qwen_s1, gsm_symbolic seed 1, where it
-# exists), WISV_PROBLEMS (gsm_symbolic problems, default 400),
+# stage reads too, space-separated; default data/traces/qwen_s1 and qwen_s2, gsm_symbolic seeds 1
+# and 2, where they exist), WISV_PROBLEMS (gsm_symbolic problems, default 400),
 # WISV_THREADS (processes side by side for labelling and tau selection, default 2, one thread each),
 # WISV_ROUND_S (compute time of one round that the CSI relabeling prices a repair against, default 0.1 s:
 # a robot-class drafter and a GPU edge; on this CPU a round takes about 0.2 s and the link matters less).
@@ -24,7 +24,7 @@ THREADS="${WISV_THREADS:-2}"
 ROUND_S="${WISV_ROUND_S:-0.1}"
 HEADS=config/heads
 MORE=()
-for folder in ${WISV_MORE_TRACES-data/traces/qwen_s1}; do
+for folder in ${WISV_MORE_TRACES-data/traces/qwen_s1 data/traces/qwen_s2}; do
   [[ -d "$folder" ]] && MORE+=(--traces "$folder")
 done
 stages=("$@")
