@@ -202,6 +202,15 @@ def test_train_head_cli_on_synthetic_traces(tmp_path, capsys):
     head = OnnxHead(out)
     p = head.reject_prob(np.zeros((2, d_d), np.float32), np.zeros((2, d_t), np.float32), np.zeros(3, np.float32))
     assert p.shape == (2,) and ((p >= 0) & (p <= 1)).all()
+    # Grouped folds (4 trainings instead of 12): every problem still held out once, whole.
+    assert train_main(["--traces", str(tmp_path / "tr"), "--out", str(out), "--epochs", "20", "--lr", "0.01", "--channels", "4",
+                       "--cv", "--folds", "4"]) == 0
+    cv4 = json.loads(sidecar_path(out).read_text())["cv"]
+    assert (cv4["problems"], cv4["mismatches"]) == (12, 144) and all(len(f) == 12 for f in cv4["fold_auc"].values())
+    assert cv4["auc"]["500mbps_5ms"] > 0.8, cv4
+    with pytest.raises(SystemExit):
+        train_main(["--traces", str(tmp_path / "tr"), "--out", str(out), "--cv", "--folds", "2"])
+    assert "--folds must be in [3, 12]" in capsys.readouterr().err
 
 
 def test_target_features_and_fly_points():

@@ -17,7 +17,9 @@ leave-one-problem-out cross-validation. Each problem in turn is held out; the ne
 shuffled order picks the epoch; the head is trained on the rest (same relabeling and settings)
 and scores the held-out problem's mismatches with the channel features of each named scenario.
 The pooled AUC of those scores against the base labels b_t (critical or not) is reported per
-scenario and written into the sidecar (``cv``); it costs one training per problem.
+scenario and written into the sidecar (``cv``); it costs one training per problem. ``--folds N``
+holds out N folds of whole problems instead (the next fold picks the epoch): N trainings, for
+label sets of hundreds of answers.
 """
 from __future__ import annotations
 
@@ -76,11 +78,12 @@ def episodes_from_traces(folders: list[Path]) -> tuple[list[Episode], list[str],
 CV_TAUS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9)  # the head's probabilities sit low: few critical labels
 
 
-def cross_validate(episodes: list[Episode], make, train_kwargs: dict, order: np.ndarray) -> dict:
-    """Nested leave-one-problem-out AUC against the base labels, per named scenario (see module doc).
+def cross_validate(episodes: list[Episode], make, train_kwargs: dict, order: np.ndarray, folds: int = 0) -> dict:
+    """Nested cross-validated AUC against the base labels, grouped by problem, per named scenario
+    (see module doc): ``folds`` 0 = leave one problem out, else that many folds of whole problems.
 
     ``make(episodes, seed_offset) -> (X, y)`` builds training instances; ``order`` is the shuffled problem
-    order (the problem after the held-out one picks the epoch). Returns {"problems", "mismatches",
+    order (the fold after the held-out one picks the epoch). Returns {"problems", "mismatches",
     "critical", "auc": {scenario: pooled AUC}, "fold_auc": {scenario: [AUC per held-out problem, None where it has one class]},
     "tau_curve": {scenario: [{"tau", "accepted", "critical_accepted", "problems_hit"}]}}: for each tau of
     ``CV_TAUS`` the share of held-out mismatches a tau accepts (head probability < tau), of critical ones, and of
@@ -93,20 +96,23 @@ def cross_validate(episodes: list[Episode], make, train_kwargs: dict, order: np.
     scores: dict[str, list[np.ndarray]] = {name: [] for name in SCENARIOS}
     fold_auc: dict[str, list[float]] = {name: [] for name in SCENARIOS}
     truth = []
-    for j in tqdm(range(len(order)), desc="cross-validation", unit="problem"):
-        held, picker = int(order[j]), int(order[(j + 1) % len(order)])
-        rest = [episodes[int(i)] for i in order if int(i) not in (held, picker)]
+    if folds and not 3 <= folds <= len(order):
+        raise ValueError(f"folds must be in [3, {len(order)} problems] (0 = one per problem), got {folds}")
+    groups = [[int(i)] for i in order] if not folds else [[int(i) for i in g] for g in np.array_split(order, folds)]
+    for j in tqdm(range(len(groups)), desc="cross-validation", unit="fold"):
+        held, picker = groups[j], groups[(j + 1) % len(groups)]
+        rest = [episodes[i] for g in groups for i in g if g is not held and g is not picker]
         X, y = make(rest, 0)
-        Xp, yp = make([episodes[picker]], 1)
+        Xp, yp = make([episodes[i] for i in picker], 1)
         head, _ = train_head(X, y, Xp, yp, progress=False, **train_kwargs)
-        ep = episodes[held]
-        truth.append(ep.labels >= 1)
-        for name, ch in SCENARIOS.items():
-            c = np.broadcast_to(ch.features(), (len(ep), len(ch.features())))
-            p = head.reject_prob(np.concatenate([ep.h_draft, ep.h_target, c], axis=1)).numpy()
-            scores[name].append(p)
-            auc = roc_auc(p, truth[-1])
-            fold_auc[name].append(None if auc != auc else auc)  # None: the problem has one class only
+        for ep in (episodes[i] for i in held):
+            truth.append(ep.labels >= 1)
+            for name, ch in SCENARIOS.items():
+                c = np.broadcast_to(ch.features(), (len(ep), len(ch.features())))
+                p = head.reject_prob(np.concatenate([ep.h_draft, ep.h_target, c], axis=1)).numpy()
+                scores[name].append(p)
+                auc = roc_auc(p, truth[-1])
+                fold_auc[name].append(None if auc != auc else auc)  # None: the problem has one class only
     y_all = np.concatenate(truth)
     taus = list(CV_TAUS)
     curve = {}
@@ -146,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
                         "frozen at the best joint epoch; 0 = off (default %(default)s)")
     p.add_argument("--channel-lr", type=float, default=1e-3, help="Adam learning rate of the channel stage (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--folds", type=int, default=0,
+                   help="with --cv: folds of whole problems (0 = leave one problem out: one training per problem; "
+                        "e.g. 5 when there are hundreds of problems)")
     p.add_argument("--cv", action="store_true",
                    help="also run nested leave-one-problem-out cross-validation (one training per problem)")
     args = p.parse_args(argv)
@@ -189,7 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     head, hist = train_head(X, y, Xv, yv, **train_kwargs)
     cv = None
     if args.cv:
-        cv = cross_validate(episodes, make, train_kwargs, order)
+        if args.folds and not 3 <= args.folds <= len(episodes):
+            p.error(f"--folds must be in [3, {len(episodes)}] (the labelled problems) or 0, got {args.folds}")
+        cv = cross_validate(episodes, make, train_kwargs, order, folds=args.folds)
         print("cross-validated AUC against the base labels (" + f"{cv['problems']} problems, {cv['mismatches']} "
               f"mismatches, {cv['critical']} critical): "
               + ", ".join(f"{name} {auc:.3f}" for name, auc in cv["auc"].items()), file=sys.stderr)
