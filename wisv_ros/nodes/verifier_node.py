@@ -478,15 +478,22 @@ class VerifierNode(ServingNode):
                 self._ready.clear()
                 return
             self._ready, batch = pick_batch(self._ready, self._max_batch)
-            t0 = time.perf_counter()
-            try:
-                rounds = edge.begin_many([req for req, _, _ in batch])
-            except Exception as exc:  # noqa: BLE001 - never ends the thread; every block of the pass is answered
-                rounds = [EdgeReply(req.request_id, req.round_id, error=f"internal error: {exc!r}") for req, _, _ in batch]
-            share = (time.perf_counter() - t0) / len(batch)  # the shared pass, counted to each robot in it
+            # Edge rounds (placement edge) generate alone, one after another; the blocks share one pass.
+            alone = [i for i, (req, _, _) in enumerate(batch) if req.method == Method.TARGET_ONLY.value]
+            shared = [i for i in range(len(batch)) if i not in alone]
+            rounds: list = [None] * len(batch)
+            for i in alone:
+                start = time.perf_counter()
+                rounds[i] = self._begin(edge, [batch[i][0]])[0]
+                self._edge_load.add(batch[i][1].robot, start, time.perf_counter())
+            if shared:
+                start = time.perf_counter()
+                for i, rnd in zip(shared, self._begin(edge, [batch[i][0] for i in shared])):
+                    rounds[i] = rnd
+                share = (time.perf_counter() - start) / len(shared)  # the shared pass, counted to each robot in it
+                for n, i in enumerate(shared):
+                    self._edge_load.add(batch[i][1].robot, start + n * share, start + (n + 1) * share)
             for (req, msg, t), rnd in zip(batch, rounds):
-                self._edge_load.add(msg.robot, t0, t0 + share)
-                t0 += share
 
                 def one(m, tt, rnd=rnd):
                     sh = self._hiddens.new_round()
@@ -496,6 +503,14 @@ class VerifierNode(ServingNode):
                     self._edge_load.add(m.robot, start, time.perf_counter() - sh["wait_s"])
                     self._answer(m, tt, reply, sh)
                 self._guarded(one, msg, t)
+
+    @staticmethod
+    def _begin(edge: EdgeSessions, reqs: list) -> list:
+        """``EdgeSessions.begin_many``; an exception answers every block of the pass (never ends the thread)."""
+        try:
+            return edge.begin_many(reqs)
+        except Exception as exc:  # noqa: BLE001
+            return [EdgeReply(req.request_id, req.round_id, error=f"internal error: {exc!r}") for req in reqs]
 
     def _answer(self, msg, t_recv: float, reply: EdgeReply, sh: dict | None = None) -> None:
         uplink_s = max(0.0, stamp_age_s(self, msg.header.stamp) - (time.perf_counter() - t_recv))  # up to reception
