@@ -206,6 +206,15 @@ def test_report_prices_the_replayed_logs_and_rewrites_the_readme(tmp_path, trace
     assert {p.name for p in results.glob("*.png")} == {"latency_by_scenario.png", "aal_by_k.png", "copy.png"}
     assert "1/2" in (results / "summary.md").read_text()  # accuracy from problems.csv
     assert "reject_k8_t1 on gsm8k 0/2" in text and "| reject_k8_t1 |" in text  # the live system's own accuracy
+    # Paired with the greedy answers: p0 flips right -> wrong, p1 stays wrong.
+    acc = {r["system"]: r for r in _csv.DictReader(open(results / "accuracy.csv"))}["reject_k8_t1"]
+    assert (acc["greedy_correct_same_problems"], acc["right_to_wrong"], acc["wrong_to_right"]) == ("1", "1", "0")
+    assert "greedy 1, 1 / 0" in text
+    # A live run over problems the replay does not have is refused, naming the fix.
+    (base / "live_reject_k8_t1.csv").write_text("id,tokens,rounds,correct,wall_s\np9,60,9,0,1.0\n")
+    with pytest.raises(SystemExit, match="not in problems.csv; replay the same data set"):
+        evaluate.main(["report", "--dataset", "gsm8k", "--out", str(tmp_path / "runs"), "--results", str(results),
+                       "--readme", str(readme), "--bootstrap", "50"])
 
 
 def test_evaluate_live_decodes_scores_logs_and_resumes(tmp_path):

@@ -77,3 +77,48 @@ def test_shipped_head_is_more_permissive_on_the_worse_channel(labelled):
     gap_no_csi = mean_reject("default_no_csi.onnx", "500mbps_5ms") - mean_reject("default_no_csi.onnx", "20mbps_50ms")
     assert gap > 0.02, gap
     assert abs(gap_no_csi) < gap / 2, (gap, gap_no_csi)
+
+
+# The heads of the default pair (Qwen2.5-Coder-0.5B drafting for Qwen2.5-Coder-1.5B, both GGUF on
+# llama.cpp), trained on the three committed qwen trace folders. Their rebuild from the sidecar
+# command takes minutes on 4,000+ labels; the rebuild above checks the same training code.
+QWEN_HEADS = {"qwen.onnx": True, "qwen_no_csi.onnx": False}
+QWEN_TRACES = [ROOT / "data" / "traces" / f for f in ("qwen", "qwen_s1", "qwen_s2")]
+
+
+@pytest.fixture(scope="module")
+def qwen_labelled():
+    episodes, _, _ = episodes_from_traces(QWEN_TRACES)
+    return (np.concatenate([e.h_draft for e in episodes]), np.concatenate([e.h_target for e in episodes]),
+            np.concatenate([e.labels for e in episodes]), len(episodes))
+
+
+@pytest.mark.parametrize("name,csi", QWEN_HEADS.items())
+def test_default_pair_head_sidecar_matches_the_committed_labels(name, csi, qwen_labelled):
+    head = OnnxHead(ROOT / "config" / "heads" / name)
+    meta = head.meta
+    assert meta["drafter"].startswith("qwen2.5-coder-0.5b-instruct") and meta["target"].startswith("qwen2.5-coder-1.5b-instruct")
+    assert (head.d_draft, head.d_target) == (896, 1536)  # Qwen2.5-Coder-0.5B and -1.5B hidden sizes
+    assert meta["csi_relabeling"] is csi
+    cmd = meta["command"]
+    assert all(f"--traces data/traces/{p.name} " in cmd for p in QWEN_TRACES) and f"--out config/heads/{name} " in cmd
+    # Its cross-validation ran over the completely labelled answers of the committed folders (the
+    # CSI head predates the last 2 answers' labels: 274 of 276).
+    _, _, labels, answers = qwen_labelled
+    cv = meta["cv"]
+    assert 0.99 * answers <= cv["problems"] <= answers and 0.99 * len(labels) <= cv["mismatches"] <= len(labels)
+    assert meta["train_problems"] + meta["val_problems"] == cv["problems"]
+    assert min(cv["auc"].values()) > 0.75  # grouped 5-fold CV by answer: 0.82 when shipped
+
+
+def test_default_pair_head_is_more_permissive_on_the_worse_channel(qwen_labelled):
+    h_d, h_t, _, _ = qwen_labelled
+
+    def mean_reject(name: str, scenario: str) -> float:
+        head = OnnxHead(ROOT / "config" / "heads" / name)
+        return float(head.reject_prob(h_d, h_t, SCENARIOS[scenario].features()).mean())
+
+    gap = mean_reject("qwen.onnx", "500mbps_5ms") - mean_reject("qwen.onnx", "20mbps_50ms")
+    gap_no_csi = mean_reject("qwen_no_csi.onnx", "500mbps_5ms") - mean_reject("qwen_no_csi.onnx", "20mbps_50ms")
+    assert gap > 0.02, gap
+    assert abs(gap_no_csi) < gap / 2, (gap, gap_no_csi)

@@ -311,15 +311,18 @@ def cmd_report(args) -> int:
         if not logs:
             raise SystemExit(f"error: no round logs in {base / 'rounds'}; run: python -m wisv_ros.cli.evaluate replay --dataset {ds}")
         probs = list(csv.DictReader(open(base / "problems.csv")))
+        greedy_right = {r["id"]: int(r["correct"]) for r in probs}
         accuracy.append({"dataset": ds, "system": "target greedy (every replayed system)", "problems": len(probs),
-                         "correct": sum(int(r["correct"]) for r in probs),
-                         "accuracy": round(sum(int(r["correct"]) for r in probs) / len(probs), 3)})
+                         "correct": sum(greedy_right.values()),
+                         "accuracy": round(sum(greedy_right.values()) / len(probs), 3),
+                         "greedy_correct_same_problems": "", "right_to_wrong": "", "wrong_to_right": ""})
         for live_csv in sorted(base.glob("live_*.csv")):
             live = list(csv.DictReader(open(live_csv)))
             if live:
                 accuracy.append({"dataset": ds, "system": live_csv.stem.removeprefix("live_"), "problems": len(live),
                                  "correct": sum(int(r["correct"]) for r in live),
-                                 "accuracy": round(sum(int(r["correct"]) for r in live) / len(live), 3)})
+                                 "accuracy": round(sum(int(r["correct"]) for r in live) / len(live), 3),
+                                 **paired_flips(live, greedy_right)})
         jobs = [(log, dep, sc) for log in logs for dep in args.deployment for sc in REPORT_SCENARIOS]
         for log, dep, sc in tqdm(jobs, desc=f"report {ds}", unit="case", file=sys.stderr):
             deployment = profiles.deployment(dep)
@@ -355,6 +358,19 @@ def cmd_report(args) -> int:
                    + f"\nAll systems, scenarios and plots: [{results}/summary.md]({results}/summary.md).\n")
     print(md)
     return 0
+
+
+def paired_flips(live: list[dict], greedy_right: dict[str, int]) -> dict:
+    """A live system's answers against the target's greedy ones on the same problems: how many of
+    those the greedy answers get right, and how many flip right -> wrong and wrong -> right (a
+    problem missing from ``greedy_right`` is an error: the two runs must cover the same problems)."""
+    missing = [r["id"] for r in live if r["id"] not in greedy_right]
+    if missing:
+        raise SystemExit(f"error: {len(missing)} live problems (e.g. {missing[0]}) are not in problems.csv; "
+                         "replay the same data set first (python -m wisv_ros.cli.evaluate replay)")
+    pairs = [(greedy_right[r["id"]], int(r["correct"])) for r in live]
+    return {"greedy_correct_same_problems": sum(g for g, _ in pairs),
+            "right_to_wrong": sum(g and not w for g, w in pairs), "wrong_to_right": sum(w and not g for g, w in pairs)}
 
 
 def _system_order(path: Path) -> tuple:
@@ -404,9 +420,11 @@ def _report_markdown(rows: list[dict], accuracy: list[dict], args, systems: tupl
               + " (GSM8K: exact final number; HumanEval: pass@1 of the answer's code block, sandboxed).", ""]
     live = [a for a in accuracy if a not in base]
     if live:
-        lines += ["Decoded live (sampling; each system's own answers): "
+        lines += ["Decoded live (each system's own answers; paired with the greedy answers to the same problems: "
+                  "greedy right, and flips right -> wrong / wrong -> right): "
                   + "; ".join(f"{a['system']} on {a['dataset']} {a['correct']}/{a['problems']} "
-                              f"({100 * a['accuracy']:.1f} %)" for a in live), ""]
+                              f"({100 * a['accuracy']:.1f} %; greedy {a['greedy_correct_same_problems']}, "
+                              f"{a['right_to_wrong']} / {a['wrong_to_right']})" for a in live), ""]
     return "\n".join(lines)
 
 
