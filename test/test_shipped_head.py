@@ -20,12 +20,27 @@ TRACES = ROOT / "data" / "traces" / "default"
 HEAD_DRAFTER = "smollm2-135m-instruct"  # the pair the shipped heads and the committed traces are of
 
 
+def stacked(folders: list[Path]) -> tuple:
+    """(drafter hiddens, target hiddens, labels, answers) of every completely labelled answer of ``folders``."""
+    episodes, _, _ = episodes_from_traces(folders)
+    return (np.concatenate([e.h_draft for e in episodes]), np.concatenate([e.h_target for e in episodes]),
+            np.concatenate([e.labels for e in episodes]), len(episodes))
+
+
+def channel_gaps(h_d, h_t, csi_head: str, no_csi_head: str) -> tuple[float, float]:
+    """Mean rejection at 500 Mbit/s / 5 ms minus at 20 Mbit/s / 50 ms, for the CSI head and its ablation."""
+
+    def mean_reject(name: str, scenario: str) -> float:
+        head = OnnxHead(ROOT / "config" / "heads" / name)
+        return float(head.reject_prob(h_d, h_t, SCENARIOS[scenario].features()).mean())
+
+    return tuple(mean_reject(n, "500mbps_5ms") - mean_reject(n, "20mbps_50ms") for n in (csi_head, no_csi_head))
+
+
 @pytest.fixture(scope="module")
 def labelled():
     """The mismatches the heads train on: every labelled problem whose labelling is complete."""
-    episodes, _, _ = episodes_from_traces([TRACES])
-    return (np.concatenate([e.h_draft for e in episodes]), np.concatenate([e.h_target for e in episodes]),
-            np.concatenate([e.labels for e in episodes]))
+    return stacked([TRACES])[:3]
 
 
 @pytest.mark.parametrize("name,csi", HEADS.items())
@@ -68,13 +83,7 @@ def test_shipped_head_is_more_permissive_on_the_worse_channel(labelled):
     labels that ignore the channel, must react far less.
     """
     h_d, h_t, _ = labelled
-
-    def mean_reject(name: str, scenario: str) -> float:
-        head = OnnxHead(ROOT / "config" / "heads" / name)
-        return float(head.reject_prob(h_d, h_t, SCENARIOS[scenario].features()).mean())
-
-    gap = mean_reject("default.onnx", "500mbps_5ms") - mean_reject("default.onnx", "20mbps_50ms")
-    gap_no_csi = mean_reject("default_no_csi.onnx", "500mbps_5ms") - mean_reject("default_no_csi.onnx", "20mbps_50ms")
+    gap, gap_no_csi = channel_gaps(h_d, h_t, "default.onnx", "default_no_csi.onnx")
     assert gap > 0.02, gap
     assert abs(gap_no_csi) < gap / 2, (gap, gap_no_csi)
 
@@ -88,9 +97,7 @@ QWEN_TRACES = [ROOT / "data" / "traces" / f for f in ("qwen", "qwen_s1", "qwen_s
 
 @pytest.fixture(scope="module")
 def qwen_labelled():
-    episodes, _, _ = episodes_from_traces(QWEN_TRACES)
-    return (np.concatenate([e.h_draft for e in episodes]), np.concatenate([e.h_target for e in episodes]),
-            np.concatenate([e.labels for e in episodes]), len(episodes))
+    return stacked(QWEN_TRACES)
 
 
 @pytest.mark.parametrize("name,csi", QWEN_HEADS.items())
@@ -113,12 +120,6 @@ def test_default_pair_head_sidecar_matches_the_committed_labels(name, csi, qwen_
 
 def test_default_pair_head_is_more_permissive_on_the_worse_channel(qwen_labelled):
     h_d, h_t, _, _ = qwen_labelled
-
-    def mean_reject(name: str, scenario: str) -> float:
-        head = OnnxHead(ROOT / "config" / "heads" / name)
-        return float(head.reject_prob(h_d, h_t, SCENARIOS[scenario].features()).mean())
-
-    gap = mean_reject("qwen.onnx", "500mbps_5ms") - mean_reject("qwen.onnx", "20mbps_50ms")
-    gap_no_csi = mean_reject("qwen_no_csi.onnx", "500mbps_5ms") - mean_reject("qwen_no_csi.onnx", "20mbps_50ms")
+    gap, gap_no_csi = channel_gaps(h_d, h_t, "qwen.onnx", "qwen_no_csi.onnx")
     assert gap > 0.02, gap
     assert abs(gap_no_csi) < gap / 2, (gap, gap_no_csi)
