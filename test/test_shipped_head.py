@@ -22,7 +22,7 @@ HEAD_DRAFTER = "smollm2-135m-instruct"  # the pair the shipped heads and the com
 
 def stacked(folders: list[Path]) -> tuple:
     """(drafter hiddens, target hiddens, labels, answers) of every completely labelled answer of ``folders``."""
-    episodes, _, _ = episodes_from_traces(folders)
+    episodes, _, _, _ = episodes_from_traces(folders)
     return (np.concatenate([e.h_draft for e in episodes]), np.concatenate([e.h_target for e in episodes]),
             np.concatenate([e.labels for e in episodes]), len(episodes))
 

@@ -195,7 +195,9 @@ def test_train_head_cli_on_synthetic_traces(tmp_path, capsys):
     assert all(len(folds) == 12 for folds in cv["fold_auc"].values())
     assert cv["auc"]["500mbps_5ms"] > 0.8, cv
     curve = cv["tau_curve"]["20mbps_50ms"]
-    assert [c["tau"] for c in curve] == [0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9]
+    assert {0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9} <= {c["tau"] for c in curve}
+    assert [c["tau"] for c in curve] == sorted(c["tau"] for c in curve)
+    assert "net_lost_per_100" not in curve[0]  # problems without true answers: no accuracy estimate
     for key in ("accepted", "critical_accepted", "problems_hit"):  # a larger tau accepts more
         assert all(a[key] <= b[key] for a, b in zip(curve, curve[1:])), (key, curve)
     assert curve[-1]["critical_accepted"] < curve[-1]["accepted"]  # the head tells critical mismatches apart
@@ -246,3 +248,75 @@ def test_target_features_and_fly_points():
         acc = np.array([decisions[(pt["fly_entropy"], pt["fly_window"], n)] for n in range(40)])
         assert abs(pt["accepted"] - acc.mean()) < 1e-9
         assert abs(pt["critical_accepted"] - acc[labels == 1].mean()) < 1e-9
+
+
+def test_harmful_labels_and_tau_per_channel_from_true_answers(tmp_path, capsys):
+    """On generated problems the true answers regenerate from the folder's source: harmful = a right
+    answer turned wrong; the cross-validation estimates right answers lost per tau and picks a tau
+    per channel within the budget."""
+    from wisv_ros.cli.train_head import CURVE_TAUS, main as train_main, pick_tau
+    from wisv_ros.wisv.head import sidecar_path
+    from wisv_ros.wisv.traces import TraceWriter, reference_answers, task_labels
+
+    rng = np.random.default_rng(1)
+    d_d, d_t = 6, 10
+    truth = generate_gsm_symbolic(12, 0)
+    w = TraceWriter(tmp_path / "tr", {"drafter": "d", "target": "t", "k": 8, "d_draft": d_d, "d_target": d_t,
+                                      "source": "gsm_symbolic, seed 0"})
+    rows = []
+    for p, prob in enumerate(truth):
+        right = p % 2 == 0  # the target gets every other problem right
+        n = 10
+        recs = [{"round_id": r, "position": 3 * r, "block_index": 0, "draft_id": 1, "target_id": 2} for r in range(n)]
+        hd = [rng.normal(size=d_d).astype(np.float32) for _ in range(n)]
+        ht = [rng.normal(size=d_t).astype(np.float32) for _ in range(n)]
+        w.add_problem(prob.id, prob.answer if right else "-1", [0], list(range(40)), n, recs, hd, ht)
+        for r in range(n):
+            # The drafter's first feature decides what the substitution does: > 0 gives another number.
+            changes = bool(hd[r][0] > 0)
+            sub = ("-2" if right else "-3") if changes else (prob.answer if right else "-1")
+            if not right and r == 0:
+                sub = prob.answer  # one substitution turns a wrong answer right
+            rows.append({"uid": f"{prob.id}:{r}", "label": int(sub != (prob.answer if right else "-1")), "answer": sub,
+                         "new_tokens": 5})
+    with (tmp_path / "tr" / "labels.jsonl").open("w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    tr = load_traces(tmp_path / "tr")
+    assert reference_answers(tr) == {p.id: p.answer for p in truth}
+    crit, harm = task_labels(tr, "critical"), task_labels(tr, "harmful")
+    right = np.array([int(r["problem_id"].rsplit("-", 1)[1]) % 2 == 0 for r in tr.records])
+    assert (harm <= crit).all() and harm.sum() > 0
+    assert not harm[~right].any()  # an answer the target gets wrong cannot be harmed
+    assert (harm[right] == crit[right]).all()
+    with pytest.raises(ValueError, match="label kind"):
+        task_labels(tr, "bogus")
+    out = tmp_path / "head.onnx"
+    assert train_main(["--traces", str(tmp_path / "tr"), "--out", str(out), "--epochs", "20", "--lr", "0.01",
+                       "--channels", "4", "--label", "harmful", "--cv", "--folds", "3", "--accuracy-budget", "2"]) == 0
+    meta = json.loads(sidecar_path(out).read_text())
+    assert meta["label"] == "harmful" and meta["cv"]["critical"] == int(harm.sum())
+    assert meta["cv"]["target_right"] == 6
+    curve = meta["cv"]["tau_curve"]["20mbps_50ms"]
+    assert [c["tau"] for c in curve] == list(CURVE_TAUS)
+    for c in curve:
+        assert 0 <= c["answers_lost"] <= 0.5 and 0 <= c["answers_gained"] <= 0.5
+        assert c["net_lost_per_100"] == pytest.approx(100 * (c["answers_lost"] - c["answers_gained"]), abs=1e-3)
+    assert curve[-1]["answers_gained"] > 0  # a large tau accepts the substitution that turns a wrong answer right
+    schedule = dict(item.split(":") for item in meta["cv"]["tau_per_channel"].split(","))
+    assert set(schedule) == {"20mbps_5ms", "20mbps_50ms", "500mbps_5ms", "500mbps_50ms"}
+    for name, tau in schedule.items():
+        assert float(tau) == pick_tau(meta["cv"]["tau_curve"][name], 2.0)
+    assert "tau per channel for a budget of 2" in capsys.readouterr().err
+    # pick_tau: the largest tau before the estimate first exceeds the budget; 0 when the first does.
+    pts = [{"tau": 0.01, "net_lost_per_100": 0.0}, {"tau": 0.02, "net_lost_per_100": 0.8},
+           {"tau": 0.05, "net_lost_per_100": 1.5}, {"tau": 0.1, "net_lost_per_100": 0.5}]
+    assert pick_tau(pts, 1.0) == 0.02 and pick_tau(pts, 0.0) == 0.01 and pick_tau(pts[2:], 1.0) == 0.0
+    # Critical labels need no true answers; harmful ones refuse a source without them.
+    meta_path = tmp_path / "tr" / "meta.json"
+    m = json.loads(meta_path.read_text())
+    m["source"] = "humaneval"
+    meta_path.write_text(json.dumps(m))
+    with pytest.raises(SystemExit):
+        train_main(["--traces", str(tmp_path / "tr"), "--out", str(out), "--label", "harmful"])
+    assert "cannot be regenerated" in capsys.readouterr().err

@@ -227,6 +227,79 @@ def cmd_live(args) -> int:
     return 0
 
 
+def cmd_tokenwise(args) -> int:
+    """Decode every problem with the token-wise rounds (``eval.tokenwise``) on llama.cpp: greedy writes
+    the replay traces of the target alone's answers (``traces.jsonl``, as ``decode`` does; ``replay``
+    then prices greedy SD at every K), wisv and fly write ``live_<system>.csv`` and the round log
+    ``rounds/<system>.jsonl`` as ``live`` does, plus every answer's text in ``answers/<system>.jsonl``.
+    Resumable: problems already written are skipped."""
+    from wisv_ros.eval.tokenwise import decode_tokenwise
+    from wisv_ros.sd.drafting import encode_prompt
+    from wisv_ros.sd.engines import load_lm
+
+    target = load_lm(args.target, args.backend, threads=args.threads, n_ctx=4096)
+    drafter = load_lm(args.drafter, args.backend, threads=args.threads, n_ctx=4096)
+    if drafter.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+        raise SystemExit(f"error: token-wise decoding needs a drafter with the target's vocabulary; "
+                         f"{args.drafter} and {args.target} differ")
+    judge, tau = None, args.tau
+    if args.method == "wisv":
+        from wisv_ros.link.channel import TauSchedule, scenario
+        from wisv_ros.wisv.head import OnnxHead, make_judge
+
+        channel = scenario(args.channel)
+        if args.tau_per_channel:
+            tau = TauSchedule.parse(args.tau_per_channel).tau_for(channel)
+        judge = make_judge(OnnxHead(args.head), lambda: channel)
+    system = "target_only" if args.method == "greedy" else live_system_name(
+        args.method, args.k, 0.0, fly_entropy=args.fly_entropy, fly_window=args.fly_window, tau=tau,
+        channel=args.channel, head=args.head or "")
+    for ds in args.dataset:
+        base = Path(args.out) / ds
+        base.mkdir(parents=True, exist_ok=True)
+        probs = problems_of(ds)
+        stop = stop_rule(ds)
+        if args.method == "greedy":
+            path = base / "traces.jsonl"
+            done = {t.id for t in read_traces(path)}
+            (base / "config.json").write_text(json.dumps({"target": args.target, "drafter": args.drafter, "dtype": "gguf",
+                                                          "engine": args.backend, "decoder": "tokenwise",
+                                                          "max_new_tokens": args.max_new_tokens, "probe": ""}, indent=1))
+        else:
+            csv_path = base / f"live_{system}.csv"
+            done = {r["id"] for r in csv.DictReader(open(csv_path))} if csv_path.is_file() else set()
+            _keep_requests(base / "rounds" / f"{system}.jsonl", done)
+        todo = [(pid, prompt) for pid, prompt in prompts_of(ds, args.limit) if pid not in done]
+        bar = tqdm(todo, desc=f"{system} {ds}", unit="problem", file=sys.stderr)
+        for pid, prompt in bar:
+            t0 = time.perf_counter()
+            ids = encode_prompt(target.tokenizer, prompt, True)
+            res = decode_tokenwise(drafter, target, ids, k=args.k, max_new_tokens=args.max_new_tokens, method=args.method,
+                                   judge=judge, tau=tau, fly_entropy=args.fly_entropy, fly_window=args.fly_window,
+                                   stop_text=stop, request_id=pid, dataset=ds)
+            text = target.tokenizer.decode(res.token_ids, skip_special_tokens=True)
+            if args.method == "greedy":
+                with open(path, "a", encoding="utf-8") as f:
+                    f.write(res.trace.to_json() + "\n")
+                continue
+            with RoundLog(base / "rounds" / f"{system}.jsonl", vocab_size=target.vocab_size,
+                          hidden_dim=drafter.hidden_size, append=True) as log:
+                for rec in res.records:
+                    log(rec)
+            (base / "answers").mkdir(exist_ok=True)
+            with open(base / "answers" / f"{system}.jsonl", "a", encoding="utf-8") as f:
+                f.write(json.dumps({"id": pid, "text": text}) + "\n")
+            new_csv = not csv_path.is_file()
+            with open(csv_path, "a", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=["id", "tokens", "rounds", "correct", "wall_s"])
+                if new_csv:
+                    w.writeheader()
+                w.writerow({"id": pid, "tokens": len(res.token_ids), "rounds": len(res.records),
+                            "correct": int(score(probs[pid], text)), "wall_s": round(time.perf_counter() - t0, 2)})
+        bar.close()
+    return 0
+
+
 def system_name(k: int, copy: str) -> str:
     return f"greedy_k{k}" + ("" if copy == "off" else f"+{copy}")
 
@@ -343,6 +416,7 @@ def cmd_report(args) -> int:
     _write_csv(results / "summary.csv", rows)
     _write_csv(results / "accuracy.csv", accuracy)
     md = _report_markdown(rows, accuracy, args)
+    goals_md = _wisv_goals(args, rows, results, profiles)
     replay_csv = Path(args.out) / "replay_summary.csv"
     replayed = list(csv.DictReader(open(replay_csv))) if replay_csv.is_file() else []
     claims = _switchsd_claims(rows, replayed)
@@ -352,12 +426,103 @@ def cmd_report(args) -> int:
         _write_csv(results / "tau.csv", points)
         _tau_plot(points, results / "accuracy_latency_vs_tau.png")
         md += "\nWISV against tau: [tau.csv](tau.csv), [accuracy_latency_vs_tau.png](accuracy_latency_vs_tau.png).\n"
+    if goals_md:
+        md += "\n## WISV against its goals\n\n" + goals_md
     (results / "summary.md").write_text(md)
     _report_plots(rows, results)
     _update_readme(Path(args.readme), _report_markdown(rows, accuracy, args, README_SYSTEMS) + "\n" + claims
                    + f"\nAll systems, scenarios and plots: [{results}/summary.md]({results}/summary.md).\n")
     print(md)
     return 0
+
+
+def _wisv_goals(args, rows: list[dict], results: Path, profiles) -> str:
+    """The WISV goal checks (``eval.wisv_goals``) of the decoded lossy systems (wisv, fly), each on its
+    own channel against greedy SD at the same K; also priced under fh, sh and adaptive. Writes
+    ``wisv_goals.csv``, ``wisv_protocols.csv`` and ``wisv_goals.png``; returns the markdown ("" without
+    such systems)."""
+    from wisv_ros.eval.latency import ProfileCompute, latency_report
+    from wisv_ros.eval.wisv_goals import goal_rows, goals_markdown, parse_system
+
+    out_rows, proto_rows, md = [], [], []
+    for ds in args.dataset:
+        base = Path(args.out) / ds
+        reference = {r["id"]: int(r["correct"]) for r in csv.DictReader(open(base / "problems.csv"))}
+        correct = {}
+        for live_csv in sorted(base.glob("live_*.csv")):
+            name = live_csv.stem.removeprefix("live_")
+            if parse_system(name) is not None:
+                correct[name] = {r["id"]: int(r["correct"]) for r in csv.DictReader(open(live_csv))}
+        if not correct:
+            continue
+        goal = goal_rows(rows, correct, reference, ds)
+        out_rows += goal
+        heads = {parse_system(n)["head"] for n in correct if parse_system(n)["kind"] == "wisv"}
+        side = Path(__file__).resolve().parents[2] / "config" / "heads"
+        relabel = next((json.loads((side / f"{h}.json").read_text()).get("relabel", {}) for h in sorted(heads)
+                        if (side / f"{h}.json").is_file()), {})
+        cfg = json.loads((base / "config.json").read_text())
+        hidden_dim, _ = _pair_dims(cfg)
+        md.append(f"### {ds}\n\nEach decoded system on its own channel (fly: every channel) against greedy SD at the same K; "
+                  "answers paired with the target alone's (its greedy answers on the same engine).\n\n"
+                  + goals_markdown(goal, hidden_dim, float(relabel.get("round_compute_s", 0.1))))
+        # The WISV systems under the three upload protocols (same rounds; fh carries every hidden, sh only
+        # the mismatches' in a second exchange, adaptive the cheaper of the two per round).
+        for name in correct:
+            info = parse_system(name)
+            if info["kind"] != "wisv":
+                continue
+            for dep in args.deployment:
+                for proto in ("fh", "sh", "adaptive"):
+                    _, agg = latency_report(base / "rounds" / f"{name}.jsonl", info["channel"],
+                                            ProfileCompute(profiles.deployment(dep)), protocol=proto, n_boot=200)
+                    proto_rows.append({"dataset": ds, "system": name, "scenario": info["channel"], "deployment": dep,
+                                       "protocol": proto, "ms_per_token": round(agg["ms_per_token"], 2),
+                                       "ms_lo": round(agg["ms_per_token_lo"], 2), "ms_hi": round(agg["ms_per_token_hi"], 2)})
+    if not out_rows:
+        return ""
+    _write_csv(results / "wisv_goals.csv", out_rows)
+    if proto_rows:
+        _write_csv(results / "wisv_protocols.csv", proto_rows)
+        md.append("Upload protocols of the WISV systems (ms per token on their own channel): [wisv_protocols.csv](wisv_protocols.csv).\n")
+    _wisv_goals_plot(out_rows, results / "wisv_goals.png")
+    md.append("Plot: [wisv_goals.png](wisv_goals.png) (AAL and accuracy of every decoded system against greedy SD).\n")
+    return "\n".join(md)
+
+
+def _wisv_goals_plot(rows: list[dict], path: Path) -> None:
+    """Left: AAL by channel, one line per (K, head); right: net answers lost against AAL gain."""
+    from matplotlib.figure import Figure
+
+    from wisv_ros.eval.wisv_goals import scenario_order
+
+    first = rows[0]["deployment"]
+    rows = [r for r in rows if r["deployment"] == first]
+    fig = Figure(figsize=(11, 4), dpi=100)
+    a1, a2 = fig.subplots(1, 2)
+    order = scenario_order(8, 896, 0.1)
+    for key in dict.fromkeys((r["k"], r["head"]) for r in rows):
+        pts = {r["scenario"]: r["aal"] for r in rows if (r["k"], r["head"]) == key}
+        xs = [i for i, s in enumerate(order) if s in pts]
+        a1.plot(xs, [pts[order[i]] for i in xs], "o-", label=f"K {key[0]} {key[1]}")
+    for k in dict.fromkeys(r["k"] for r in rows):
+        g = {r["scenario"]: r["greedy_aal"] for r in rows if r["k"] == k}
+        xs = [i for i, s in enumerate(order) if s in g]
+        a1.plot(xs, [g[order[i]] for i in xs], "k--", alpha=0.5, label=f"greedy SD K {k}")
+    a1.set_xticks(range(len(order)), order, fontsize=7)
+    a1.set(xlabel="channel (worst to best)", ylabel="AAL (tokens per round)")
+    a1.legend(fontsize=6)
+    for r in rows:
+        a2.errorbar(100 * r["aal_gain"], r["net"], yerr=[[r["net"] - r["net_lo"]], [r["net_hi"] - r["net"]]], fmt="o",
+                    capsize=2, label=f"{r['system']} @ {r['scenario']}")
+    a2.axhline(1, color="r", lw=0.8, ls=":")
+    a2.axvline(40, color="r", lw=0.8, ls=":")
+    a2.set(xlabel="AAL gain over greedy SD (%)", ylabel="net answers lost vs target alone (95 % CI)")
+    a2.legend(fontsize=5)
+    for ax in (a1, a2):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
 
 
 def paired_flips(live: list[dict], greedy_right: dict[str, int]) -> dict:
@@ -611,7 +776,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m wisv_ros.cli.evaluate", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     names = ", ".join(REGISTRY)
-    for name in ("decode", "replay", "report", "live"):
+    for name in ("decode", "replay", "report", "live", "tokenwise"):
         s = sub.add_parser(name)
         s.add_argument("--dataset", action="append", choices=DATASETS, help="gsm8k and/or humaneval (repeatable; default both)")
         s.add_argument("--out", default="runs/eval", help="traces and round logs, per data set (default %(default)s)")
@@ -652,6 +817,24 @@ def main(argv: list[str] | None = None) -> int:
     live.add_argument("--limit", type=int, default=None, help="problems per data set (default: all)")
     live.add_argument("--max-new-tokens", type=int, default=384, help="cap per problem (default %(default)s)")
     live.add_argument("--seed", type=int, default=0, help="sampling seed, mixed with each problem's id (default %(default)s)")
+    tw = sub.choices["tokenwise"]
+    tw.add_argument("--method", default="greedy", choices=("greedy", "wisv", "fly"),
+                    help="greedy: the target alone's answers as replay traces (then replay gives greedy SD at every K); "
+                    "wisv: the decision head (--head, --tau or --tau-per-channel, --channel); fly: the training-free "
+                    "baseline (default %(default)s)")
+    tw.add_argument("--head", default=None, help="method wisv: decision head .onnx")
+    tw.add_argument("--tau", type=float, default=0.1, help="method wisv: rejection threshold (default %(default)s)")
+    tw.add_argument("--tau-per-channel", default="", help="method wisv: '<scenario>:<tau>,...' (the verifier's parameter): the "
+                    "tau of the scenario nearest --channel replaces --tau (default: none)")
+    tw.add_argument("--channel", default="20mbps_50ms", help="method wisv: channel scenario the head sees (default %(default)s)")
+    tw.add_argument("--fly-entropy", type=float, default=0.6, help="method fly: entropy gate (default %(default)s)")
+    tw.add_argument("--fly-window", type=int, default=6, help="method fly: deferred window (default %(default)s)")
+    tw.add_argument("--drafter", default=DEFAULT_DRAFTER, help="drafter model, same vocabulary (default %(default)s)")
+    tw.add_argument("--k", type=int, default=8, help="block size (default %(default)s; greedy: any, replay picks K)")
+    tw.add_argument("--backend", default="llama_cpp", choices=("torch", "llama_cpp"), help="engine of both models (default %(default)s)")
+    tw.add_argument("--threads", type=int, default=1, help="CPU threads per model (default %(default)s)")
+    tw.add_argument("--limit", type=int, default=None, help="problems per data set (default: all)")
+    tw.add_argument("--max-new-tokens", type=int, default=384, help="cap per problem (default %(default)s)")
     rpt = sub.choices["report"]
     rpt.add_argument("--results", default="docs/results", help="tables and plots (default %(default)s)")
     rpt.add_argument("--deployment", action="append", help="deployments of the profile file (default: all)")
@@ -669,6 +852,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.probe is None:
         default = Path(__file__).resolve().parents[2] / "config" / "probes" / f"{args.target}_copy.npz"
         args.probe = str(default) if default.is_file() else ""
+    if args.cmd == "tokenwise":
+        if args.k < 1 or args.max_new_tokens < 1 or args.threads < 1:
+            p.error("--k, --max-new-tokens and --threads must be >= 1")
+        if args.method == "fly" and (args.fly_window < 1 or not 0 <= args.fly_entropy <= 1):
+            p.error(f"--fly-window must be >= 1 and --fly-entropy in [0, 1] (got {args.fly_window}, {args.fly_entropy})")
+        if args.method == "wisv":
+            from wisv_ros.link.channel import SCENARIOS, TauSchedule
+
+            if not (args.head and Path(args.head).is_file()):
+                p.error(f"--method wisv needs --head <decision head .onnx> (got {args.head!r})")
+            if args.channel not in SCENARIOS:
+                p.error(f"--channel '{args.channel}' is not one of {', '.join(SCENARIOS)}")
+            if not (math.isfinite(args.tau) and args.tau >= 0):
+                p.error(f"--tau must be finite and >= 0 (got {args.tau})")
+            if args.tau_per_channel:
+                try:
+                    TauSchedule.parse(args.tau_per_channel)
+                except ValueError as exc:
+                    p.error(f"--tau-per-channel: {exc}")
+        return cmd_tokenwise(args)
     if args.cmd == "live":
         if args.k < 1 or args.max_new_tokens < 1 or args.threads < 1:
             p.error("--k, --max-new-tokens and --threads must be >= 1")

