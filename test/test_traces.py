@@ -260,7 +260,10 @@ def test_harmful_labels_and_tau_per_channel_from_true_answers(tmp_path, capsys):
 
     rng = np.random.default_rng(1)
     d_d, d_t = 6, 10
-    truth = generate_gsm_symbolic(12, 0)
+    # Problems from later in the stream: their ids skip the excluded templates' indices (id 60 is the
+    # 58th problem), so the true answers must be found by id, not by position.
+    truth = generate_gsm_symbolic(60, 0)[-12:]
+    assert truth[-1].id != "gsm_symbolic-0-59"
     w = TraceWriter(tmp_path / "tr", {"drafter": "d", "target": "t", "k": 8, "d_draft": d_d, "d_target": d_t,
                                       "source": "gsm_symbolic, seed 0"})
     rows = []
@@ -320,3 +323,37 @@ def test_harmful_labels_and_tau_per_channel_from_true_answers(tmp_path, capsys):
     with pytest.raises(SystemExit):
         train_main(["--traces", str(tmp_path / "tr"), "--out", str(out), "--label", "harmful"])
     assert "cannot be regenerated" in capsys.readouterr().err
+
+
+def test_fly_points_follow_the_rule_and_estimate_accuracy(tmp_path):
+    """fly_points applies acceptance.fly_accept's two tests to the recorded target features: a
+    mismatch is accepted when the top-k entropy reaches the gate and the recorded agreement after it
+    covers the window; with true answers it estimates right answers lost and gained."""
+    from wisv_ros.wisv.traces import TraceWriter, fly_points
+
+    truth = generate_gsm_symbolic(2, 0)
+    w = TraceWriter(tmp_path / "tr", {"drafter": "d", "target": "t", "k": 8, "d_draft": 2, "d_target": 2,
+                                      "source": "gsm_symbolic, seed 0"})
+    flat, peaked = [1 / 8] * 8, [0.93] + [0.01] * 7  # normalised top-8 entropy 1.0 and about 0.2
+    feats = [(flat, 6, 6), (flat, 1, 6), (peaked, 6, 6), (flat, 6, 6)]  # (topk, agree_after, left)
+    rows = []
+    for p, prob in enumerate(truth):
+        recs = [{"round_id": r, "position": 2 * r, "block_index": 0, "draft_id": 1, "target_id": 2, "topk": t,
+                 "agree_after": a, "left": left} for r, (t, a, left) in enumerate(feats)]
+        right = p == 0
+        w.add_problem(prob.id, prob.answer if right else "-1", [0], list(range(20)), 4, recs,
+                      [np.zeros(2, np.float32)] * 4, [np.zeros(2, np.float32)] * 4)
+        for r in range(4):
+            changes = r == 3  # only the last mismatch of each answer changes it
+            sub = ("-7" if right else prob.answer) if changes else (prob.answer if right else "-1")
+            rows.append({"uid": f"{prob.id}:{r}", "label": int(changes), "answer": sub, "new_tokens": 1})
+    with (tmp_path / "tr" / "labels.jsonl").open("w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    pts = {(p["fly_entropy"], p["fly_window"]): p for p in fly_points(load_traces(tmp_path / "tr"), (0.5, 1.1), (2, 6))}
+    # Entropy 0.5, window 2: mismatches 0 and 3 (flat, agreement 6); 1 lacks agreement, 2 is peaked.
+    assert pts[(0.5, 2)]["accepted"] == 0.5 and pts[(0.5, 2)]["critical_accepted"] == 1.0
+    assert pts[(0.5, 6)]["accepted"] == 0.5 and pts[(1.1, 2)]["accepted"] == 0.0  # a gate above 1 accepts nothing
+    # Answer 0 (right) loses its answer at mismatch 3; answer 1 (wrong) gains: net 0 per 100.
+    assert (pts[(0.5, 2)]["answers_lost"], pts[(0.5, 2)]["answers_gained"], pts[(0.5, 2)]["net_lost_per_100"]) == (0.5, 0.5, 0.0)
+    assert pts[(1.1, 2)]["net_lost_per_100"] == 0.0 and pts[(1.1, 2)]["problems_hit"] == 0.0

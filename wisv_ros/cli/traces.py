@@ -19,6 +19,7 @@ import csv
 import sys
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
 from wisv_ros.eval.datasets import generate_gsm_symbolic
@@ -51,23 +52,39 @@ def main(argv: list[str] | None = None) -> int:
     ben.add_argument("--problem", default=None, help="problem id (default: the first with enough mismatches)")
     ben.add_argument("--csv", default="runs/label_bench.csv", help="CSV output (default %(default)s)")
     summ = sub.add_parser("summary", help="counts of a trace folder")
-    summ.add_argument("--out", required=True, help="trace folder")
+    summ.add_argument("--out", required=True, action="append", help="trace folder (repeatable: --fly pools them)")
     summ.add_argument("--fly", action="store_true", help="also what the FLy-style baseline would accept (per entropy and window)")
     summ.add_argument("--csv", default=None, help="with --fly: write its table here")
+    summ.add_argument("--accuracy-budget", type=float, default=1.0,
+                      help="with --fly on generated problems: name the setting that accepts the most mismatches while "
+                           "its estimate loses at most this many right answers per 100, net (default %(default)s)")
     for sp in (col, lab, ben):
         add_model_args(sp)
     args = p.parse_args(argv)
 
     if args.cmd == "summary":
-        tr = load_traces(Path(args.out))
-        labelled = tr.labels >= 0
-        print(f"problems {len(tr.problems)}  mismatches {len(tr.records)}  labelled {int(labelled.sum())}  "
-              f"critical {int((tr.labels == 1).sum())}  hidden {tr.h_draft.shape[1]}+{tr.h_target.shape[1]}")
-        if args.fly and labelled.any():
-            rows = fly_points(tr)
+        trs = [load_traces(Path(folder)) for folder in args.out]
+        for folder, tr in zip(args.out, trs):
+            labelled = tr.labels >= 0
+            answered = {tr.records[i]["problem_id"] for i in np.flatnonzero(labelled)}
+            print(f"{folder}: problems {len(tr.problems)}  mismatches {len(tr.records)}  labelled {int(labelled.sum())} "
+                  f"from {len(answered)} answers  critical {int((tr.labels == 1).sum())}  "
+                  f"hidden {tr.h_draft.shape[1]}+{tr.h_target.shape[1]}")
+        if len(trs) > 1:
+            print(f"all: labelled {sum(int((tr.labels >= 0).sum()) for tr in trs)}  critical "
+                  f"{sum(int((tr.labels == 1).sum()) for tr in trs)}")
+        if args.fly and any((tr.labels >= 0).any() for tr in trs):
+            rows = fly_points(trs)
             print("\nFLy-style rule on the labelled mismatches (share accepted / of critical ones / of answers with a "
-                  "critical one accepted):")
+                  "critical one accepted" + ("; estimated right answers lost / gained per answer, net per 100" if
+                                              "net_lost_per_100" in rows[0] else "") + "):")
             print(format_table([{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()} for r in rows]))
+            within = [r for r in rows if r.get("net_lost_per_100", float("inf")) <= args.accuracy_budget]
+            if "net_lost_per_100" in rows[0]:
+                best = max(within, key=lambda r: r["accepted"], default=None)
+                print("most permissive setting within " + f"{args.accuracy_budget:g} answers per 100: " +
+                      (f"fly_entropy {best['fly_entropy']}, fly_window {best['fly_window']} (accepts "
+                       f"{100 * best['accepted']:.1f} % of the mismatches)" if best else "none"))
             if args.csv:
                 Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
                 with open(args.csv, "w", newline="") as f:

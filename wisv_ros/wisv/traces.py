@@ -284,9 +284,19 @@ def reference_answers(tr: Traces) -> dict[str, str]:
     if m is None:
         raise ValueError(f"trace source {tr.meta.get('source')!r} is not 'gsm_symbolic, seed N': "
                          "the true answers cannot be regenerated (use label kind 'critical')")
-    index = {pid: int(pid.rsplit("-", 1)[1]) for pid in tr.problems}
-    gen = generate_gsm_symbolic(max(index.values(), default=-1) + 1, int(m.group(1)))
-    return {pid: gen[i].answer for pid, i in index.items()}
+    # Ids are gsm_symbolic-<seed>-<index in the generator's stream>; problems of excluded templates are
+    # skipped there, so the n-th problem generated can have a larger index: generate until all are seen.
+    want = set(tr.problems)
+    n = max((int(pid.rsplit("-", 1)[1]) for pid in want), default=-1) + 1
+    while True:
+        gen = {p.id: p.answer for p in generate_gsm_symbolic(n, int(m.group(1)))}
+        if want <= gen.keys() or n == 0:
+            break
+        n *= 2
+    missing = want - gen.keys()
+    if missing:
+        raise ValueError(f"problems {sorted(missing)[:3]} are not in the stream of {tr.meta.get('source')!r}")
+    return {pid: gen[pid] for pid in want}
 
 
 def same_number(a: str | None, b: str | None) -> bool:
@@ -558,33 +568,55 @@ FLY_ENTROPIES = (0.0, 0.2, 0.4, 0.6, 0.8)
 FLY_WINDOWS = (1, 2, 4, 6)
 
 
-def fly_points(tr: Traces, entropies: Sequence[float] = FLY_ENTROPIES,
+def fly_points(traces: Traces | Sequence[Traces], entropies: Sequence[float] = FLY_ENTROPIES,
                windows: Sequence[int] = FLY_WINDOWS) -> list[dict]:
     """What the FLy-style rule (``acceptance.fly_accept``) would accept of the labelled mismatches of
-    ``tr``, per (entropy_min, window): the share of mismatches accepted, of critical ones, and of
-    answers where it accepts at least one critical mismatch -- the columns of ``train_head --cv``'s
-    tau curve, so that the head and the baseline compare at equal accuracy risk. Needs the target
-    features of ``target_features`` (traces collected since they are recorded)."""
-    rows_ok = [i for i, lab in enumerate(tr.labels) if lab >= 0]
-    recs = [tr.records[i] for i in rows_ok]
+    ``traces`` (one folder or several), per (entropy_min, window): the share of mismatches accepted,
+    of critical ones, and of answers where it accepts at least one critical mismatch -- the columns
+    of ``train_head --cv``'s tau curve, so that the head and the baseline compare at equal accuracy
+    risk. Where every folder's true answers regenerate (``reference_answers``), also the same
+    accuracy estimate as the curve's: ``answers_lost``, ``answers_gained``, ``net_lost_per_100``.
+    Needs the target features of ``target_features`` (traces collected since they are recorded).
+    The windows are those of the traces' blocks (``left``): at a larger K more mismatches have a
+    whole window after them."""
+    trs = [traces] if isinstance(traces, Traces) else list(traces)
+    recs, y, pids, t_right, s_right = [], [], [], [], []
+    outcomes = True
+    for f, tr in enumerate(trs):
+        rows_ok = [i for i, lab in enumerate(tr.labels) if lab >= 0]
+        recs += [tr.records[i] for i in rows_ok]
+        y += [tr.labels[i] == 1 for i in rows_ok]
+        pids += [f"{f}:{tr.records[i]['problem_id']}" for i in rows_ok]
+        try:
+            tgt, sub = answer_outcomes(tr, reference_answers(tr))
+            t_right += [bool(tgt[i]) for i in rows_ok]
+            s_right += [bool(sub[i]) for i in rows_ok]
+        except ValueError:
+            outcomes = False
     if recs and "topk" not in recs[0]:
         raise ValueError("these traces have no target features (topk, agree_after): collect them again")
-    y = np.array([tr.labels[i] == 1 for i in rows_ok])
+    y, pids = np.array(y, dtype=bool), np.array(pids)
+    t_right, s_right = np.array(t_right, dtype=bool), np.array(s_right, dtype=bool)
     top = torch.tensor([r["topk"] for r in recs], dtype=torch.float64).reshape(len(recs), -1)
     # The recorded top-k probabilities as logits: their softmax is the renormalised top k that
     # the rule's gate (acceptance.topk_entropy) looks at.
     ent = topk_entropy(torch.log(top.clamp_min(1e-30)), top.shape[1]).numpy() if len(recs) else np.zeros(0)
     agree = np.array([r["agree_after"] for r in recs])
     left = np.array([r["left"] for r in recs])
-    pids = np.array([r["problem_id"] for r in recs])
+    answers = sorted(set(pids.tolist()))
+    idx = {a: pids == a for a in answers}
     out = []
     for w in windows:
         for e in entropies:
             acc = (ent >= e) & (agree >= w) & (left >= w)
-            out.append({"fly_entropy": e, "fly_window": w, "accepted": float(acc.mean()) if len(acc) else 0.0,
-                        "critical_accepted": float(acc[y].mean()) if y.any() else None,
-                        "problems_hit": float(np.mean([bool((acc & y)[pids == pid].any()) for pid in set(pids)]))
-                        if len(pids) else 0.0})
+            row = {"fly_entropy": e, "fly_window": w, "accepted": float(acc.mean()) if len(acc) else 0.0,
+                   "critical_accepted": float(acc[y].mean()) if y.any() else None,
+                   "problems_hit": float(np.mean([bool((acc & y)[idx[a]].any()) for a in answers])) if answers else 0.0}
+            if outcomes and answers:
+                lost = np.mean([bool(t_right[idx[a]].any() and (acc & ~s_right)[idx[a]].any()) for a in answers])
+                gained = np.mean([bool(not t_right[idx[a]].any() and (acc & s_right)[idx[a]].any()) for a in answers])
+                row.update(answers_lost=float(lost), answers_gained=float(gained), net_lost_per_100=round(100 * float(lost - gained), 3))
+            out.append(row)
     return out
 
 
