@@ -885,6 +885,69 @@ def test_wisv_head_over_sh_equals_the_in_process_core(ros, target_lm, tmp_path, 
         p.close()
 
 
+def test_tau_per_channel_follows_the_measured_channel_in_the_verifier(ros, target_lm, tmp_path):
+    """verifier_node with a head and tau_per_channel judges every wisv block with the tau of the
+    scenario nearest the channel_state it last heard, whatever tau the goal asked for: on a channel
+    like 500 Mbit/s / 5 ms (tau 0) the answer is the target's greedy one; on 20 Mbit/s / 50 ms (tau
+    0.5) it is what the in-process core commits with tau 0.5 and that channel; the round log records
+    the tau of each round."""
+    import numpy as np
+    import torch
+
+    from wisv_ros.link.channel import SCENARIOS
+    from wisv_ros.msg import ChannelState
+    from wisv_ros.sd.drafting import Drafter
+    from wisv_ros.sd.roundlog import read_round_log
+    from wisv_ros.sd.rounds import generate
+    from wisv_ros.sd.verification import Method, Verifier
+    from wisv_ros.wisv.head import OnnxHead, make_judge
+    from wisv_ros.wisv.head_training import DecisionHead, export_onnx
+
+    torch.manual_seed(0)
+    head = DecisionHead(32, 32, hidden=16).eval()
+    with torch.no_grad():  # spread the untrained head's outputs away from tau
+        [m for m in head.modules() if isinstance(m, torch.nn.Linear)][-1].weight.mul_(30)
+    path = tmp_path / "head.onnx"
+    export_onnx(head, path)
+    bad = SCENARIOS["20mbps_50ms"]
+    judge = make_judge(OnnxHead(path), lambda: bad)
+
+    def wire_judge(drafter_hidden, positions, target_hidden):  # the drafter sends float16 hiddens
+        return judge(drafter_hidden.astype(np.float16).astype(np.float32), positions, target_hidden)
+
+    n, k = 40, 4
+    lenient = generate(Drafter(CausalLM(load_model(DRAFTER)[0])), Verifier(target_lm, Method.WISV, tau=0.5, judge=wire_judge),
+                       PROMPT_IDS, n, k).token_ids
+    assert lenient != reference(target_lm, n)  # tau 0.5 on that channel accepts some mismatches
+    ns, log = "/nodes_tau_per_channel", tmp_path / "rounds.jsonl"
+    p = Pair(ros, ns, tmp_path, verifier={"head_path": str(path), "tau_per_channel": "20mbps_50ms:0.5,500mbps_5ms:0",
+                                          "round_log": str(log)})
+    pub = ros.create_publisher(ChannelState, f"{ns}/channel_state", RELIABLE_QOS)
+    try:
+        p.wait_verifier()
+        deadline = time.monotonic() + 10.0
+        while pub.get_subscription_count() < 2:  # the drafter and the verifier
+            assert time.monotonic() < deadline, "channel_state subscribers not discovered"
+            threading.Event().wait(0.05)
+        answers = {}
+        for name, ch in (("500mbps_5ms", SCENARIOS["500mbps_5ms"]), ("20mbps_50ms", bad)):
+            pub.publish(ChannelState(rate_bps=ch.rate_bps, per=ch.per, rtt_s=ch.rtt_s))
+            threading.Event().wait(0.5)  # delivered before the goal's first block
+            run = p.start_goal(max_new_tokens=n, k=k, method="wisv", tau=0.9, protocol="fh", placement="split")
+            out = run.outcome(GOAL_TIMEOUT)
+            assert out.status_name == "succeeded", out.result.error + "\n" + p.logs()
+            answers[name] = (request_id(run), list(out.result.token_ids))
+        assert answers["500mbps_5ms"][1] == reference(target_lm, n)
+        assert answers["20mbps_50ms"][1] == lenient
+        taus = {}
+        for rec in read_round_log(log):
+            taus.setdefault(rec.request_id, set()).add(rec.tau)
+        assert taus[answers["500mbps_5ms"][0]] == {0.0} and taus[answers["20mbps_50ms"][0]] == {0.5}
+    finally:
+        ros.destroy_publisher(pub)
+        p.close()
+
+
 def test_parameters_are_validated_when_set(pair, ros):
     from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
     from rcl_interfaces.srv import SetParameters
