@@ -50,7 +50,7 @@ def key(recs):
              [m for m in r.mismatches if m <= r.accepted][:len(r.head_accepted) + 1]) for r in recs]
 
 
-@pytest.mark.parametrize("k", [1, 3, 8])
+@pytest.mark.parametrize("k", [1, 8])
 def test_greedy_is_the_target_alone_in_the_live_rounds(models, k):
     target, drafter = models
     for i, prompt in enumerate(PROMPTS):
@@ -66,7 +66,7 @@ def test_greedy_is_the_target_alone_in_the_live_rounds(models, k):
         assert [(r.accepted, r.committed) for r in rep.records] == [(r.accepted, r.committed) for r in res.records]
 
 
-@pytest.mark.parametrize("k", [2, 4, 8])
+@pytest.mark.parametrize("k", [2, 8])
 def test_wisv_commits_what_the_live_protocol_commits(models, k):
     target, drafter = models
     accepted_somewhere = 0
@@ -88,7 +88,7 @@ def test_wisv_at_tau_zero_is_greedy(models):
     assert [(r.accepted, r.committed) for r in a.records] == [(r.accepted, r.committed) for r in b.records]
 
 
-@pytest.mark.parametrize("k,window", [(4, 1), (8, 2), (8, 3)])
+@pytest.mark.parametrize("k,window", [(4, 1), (8, 2)])
 def test_fly_commits_what_the_live_protocol_commits(models, k, window):
     target, drafter = models
     lenient = 0

@@ -307,10 +307,14 @@ def test_harmful_labels_and_tau_per_channel_from_true_answers(tmp_path, capsys):
         assert c["net_lost_per_100"] == pytest.approx(100 * (c["answers_lost"] - c["answers_gained"]), abs=1e-3)
     assert curve[-1]["answers_gained"] > 0  # a large tau accepts the substitution that turns a wrong answer right
     schedule = dict(item.split(":") for item in meta["cv"]["tau_per_channel"].split(","))
-    assert set(schedule) == {"20mbps_5ms", "20mbps_50ms", "500mbps_5ms", "500mbps_50ms"}
+    budgets = meta["cv"]["accuracy_budget"]
+    assert set(schedule) == set(budgets) == {"20mbps_5ms", "20mbps_50ms", "500mbps_5ms", "500mbps_50ms"}
+    # The whole budget on the worst channel, less where the link takes a smaller share of a round.
+    assert budgets["20mbps_50ms"] == 2.0
+    assert budgets["20mbps_50ms"] > budgets["500mbps_50ms"] > budgets["20mbps_5ms"] > budgets["500mbps_5ms"] > 0
     for name, tau in schedule.items():
-        assert float(tau) == pick_tau(meta["cv"]["tau_curve"][name], 2.0)
-    assert "tau per channel for a budget of 2" in capsys.readouterr().err
+        assert float(tau) == pick_tau(meta["cv"]["tau_curve"][name], budgets[name])
+    assert "tau per channel within those budgets" in capsys.readouterr().err
     # pick_tau: the largest tau before the estimate first exceeds the budget; 0 when the first does.
     pts = [{"tau": 0.01, "net_lost_per_100": 0.0}, {"tau": 0.02, "net_lost_per_100": 0.8},
            {"tau": 0.05, "net_lost_per_100": 1.5}, {"tau": 0.1, "net_lost_per_100": 0.5}]

@@ -36,7 +36,7 @@ from tqdm import tqdm
 from wisv_ros.wisv.head_training import export_onnx, train_head
 from wisv_ros.eval.scoring import roc_auc
 from wisv_ros.link.channel import SCENARIOS, ChannelTrace, WireFormat
-from wisv_ros.wisv.relabel import ChannelDistribution, Episode, RelabelConfig, make_instances, make_instances_no_csi
+from wisv_ros.wisv.relabel import ChannelDistribution, Episode, RelabelConfig, channel_quality, make_instances, make_instances_no_csi
 from wisv_ros.wisv.traces import LABEL_KINDS, answer_outcomes, load_traces, reference_answers, task_labels
 
 
@@ -97,6 +97,16 @@ def episodes_from_traces(folders: list[Path], label: str = "critical") -> tuple[
             ids.append(f"{folder}:{pid}")
             outcomes.append(None if reference is None else Outcome(bool(target_right[rows[0]]), sub_right[rows]))
     return episodes, ids, meta, outcomes
+
+
+def channel_budgets(budget: float, fmt: WireFormat, k: int, round_compute_s: float) -> dict[str, float]:
+    """The accuracy budget of each named scenario: ``budget`` on the worst one, and on the others in
+    proportion to the share of a round the link takes there, ``1 - q(c)`` (``relabel.channel_quality``):
+    a repair costs an extra round trip, which is worth the most where the link is slow; on a perfect
+    link (q = 1) no accuracy is traded and WISV is greedy SD."""
+    share = {name: 1.0 - channel_quality(ch, fmt, k, round_compute_s) for name, ch in SCENARIOS.items()}
+    worst = max(share.values())
+    return {name: round(budget * v / worst, 4) if worst > 0 else 0.0 for name, v in share.items()}
 
 
 def pick_tau(curve: list[dict], budget: float) -> float:
@@ -203,9 +213,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="base labels: critical (the final answer changes; the paper's) or harmful (a right final answer "
                         "turns wrong; needs generated problems whose true answers regenerate) (default %(default)s)")
     p.add_argument("--accuracy-budget", type=float, default=1.0,
-                   help="with --cv on generated problems: per scenario, the largest tau whose cross-validated estimate "
-                        "loses at most this many right answers per 100 (net) is written to the sidecar as "
-                        "tau_per_channel (default %(default)s)")
+                   help="with --cv on generated problems: right answers per 100 (net) WISV may lose on the worst named "
+                        "channel; the others get this in proportion to the link's share of a round there. Per scenario "
+                        "the largest tau whose cross-validated estimate stays within its budget is written to the "
+                        "sidecar as tau_per_channel (default %(default)s)")
     p.add_argument("--val-share", type=float, default=0.2, help="share of problems held out (default %(default)s)")
     # Defaults: the settings of the shipped head. With a few hundred labels of 2,112 features the head
     # overfits within 1-2 epochs; a narrow, strongly regularised layer held the best cross-validated AUC.
@@ -289,10 +300,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{tau:4.2f}  " + "  ".join(f"{c['accepted']:6.2f} {c['critical_accepted'] or 0:6.2f} {c['problems_hit']:6.2f}"
                                               + (f" {c['net_lost_per_100']:6.1f}" if accuracy else "") for c in cells), file=sys.stderr)
         if accuracy:
-            cv["accuracy_budget"] = args.accuracy_budget
-            cv["tau_per_channel"] = ",".join(f"{name}:{pick_tau(c, args.accuracy_budget):g}" for name, c in cv["tau_curve"].items())
-            print(f"tau per channel for a budget of {args.accuracy_budget:g} right answers per 100 (cross-validated "
-                  f"estimate): {cv['tau_per_channel']}", file=sys.stderr)
+            budgets = channel_budgets(args.accuracy_budget, WireFormat(hidden_dim=d_draft), args.k, args.round_compute_s)
+            cv["accuracy_budget"] = budgets
+            cv["tau_per_channel"] = ",".join(f"{name}:{pick_tau(c, budgets[name]):g}" for name, c in cv["tau_curve"].items())
+            print("accuracy budget per channel (right answers per 100, net): "
+                  + ", ".join(f"{name} {b:.2f}" for name, b in budgets.items()), file=sys.stderr)
+            print(f"tau per channel within those budgets (cross-validated estimate): {cv['tau_per_channel']}", file=sys.stderr)
     best = hist.best
     sidecar = export_onnx(head, args.out, meta={
         "drafter": meta.get("drafter"), "target": meta.get("target"),
