@@ -886,8 +886,8 @@ def test_wisv_head_over_sh_equals_the_in_process_core(ros, target_lm, tmp_path, 
 
 
 def test_tau_per_channel_follows_the_measured_channel_in_the_verifier(ros, target_lm, tmp_path):
-    """verifier_node with a head and tau_per_channel judges every wisv block with the tau of the
-    scenario nearest the channel_state it last heard, whatever tau the goal asked for: on a channel
+    """verifier_node with a head whose sidecar carries a tau per channel (tau_per_channel "head", the
+    default) judges every wisv block with the tau of the scenario nearest the channel_state it last heard, whatever tau the goal asked for: on a channel
     like 500 Mbit/s / 5 ms (tau 0) the answer is the target's greedy one; on 20 Mbit/s / 50 ms (tau
     0.5) it is what the in-process core commits with tau 0.5 and that channel; the round log records
     the tau of each round."""
@@ -908,7 +908,8 @@ def test_tau_per_channel_follows_the_measured_channel_in_the_verifier(ros, targe
     with torch.no_grad():  # spread the untrained head's outputs away from tau
         [m for m in head.modules() if isinstance(m, torch.nn.Linear)][-1].weight.mul_(30)
     path = tmp_path / "head.onnx"
-    export_onnx(head, path)
+    # The schedule travels in the head's sidecar: the verifier's default tau_per_channel "head" reads it.
+    export_onnx(head, path, meta={"tau_per_channel": "20mbps_50ms:0.5,500mbps_5ms:0"})
     bad = SCENARIOS["20mbps_50ms"]
     judge = make_judge(OnnxHead(path), lambda: bad)
 
@@ -920,8 +921,7 @@ def test_tau_per_channel_follows_the_measured_channel_in_the_verifier(ros, targe
                        PROMPT_IDS, n, k).token_ids
     assert lenient != reference(target_lm, n)  # tau 0.5 on that channel accepts some mismatches
     ns, log = "/nodes_tau_per_channel", tmp_path / "rounds.jsonl"
-    p = Pair(ros, ns, tmp_path, verifier={"head_path": str(path), "tau_per_channel": "20mbps_50ms:0.5,500mbps_5ms:0",
-                                          "round_log": str(log)})
+    p = Pair(ros, ns, tmp_path, verifier={"head_path": str(path), "round_log": str(log)})
     pub = ros.create_publisher(ChannelState, f"{ns}/channel_state", RELIABLE_QOS)
     try:
         p.wait_verifier()

@@ -314,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         "train_problems": len(train), "val_problems": len(val),
         "val_loss": best.val_loss, "val_auc": best.val_auc, "val_accuracy": best.val_accuracy,
         "best_epoch": hist.best_epoch, "channel_best_epoch": hist.channel_best_epoch, "cv": cv,
+        # The verifier's tau_per_channel "head" reads this: the schedule chosen with the head.
+        **({"tau_per_channel": cv["tau_per_channel"]} if cv and "tau_per_channel" in cv else {}),
         "command": "python -m wisv_ros.cli.train_head " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
     })
     print(json.dumps({"out": args.out, "sidecar": str(sidecar), "best_epoch": hist.best_epoch,

@@ -119,9 +119,10 @@ class VerifierNode(ServingNode):
         declare(self, "hidden_request_timeout_s", 2.0, "SH: wait this long for the drafter's hidden states (s)", lo=0.001, hi=600.0)
         declare(self, "channel_deadline_s", 1.0, "channel_state must arrive at least this often, else a warning is logged (s; 0 = no deadline)", lo=0.0, hi=3600.0)
         declare(self, "head_path", "", "WISV decision head (.onnx with its .json sidecar); '' = none: wisv behaves as greedy")
-        declare(self, "tau_per_channel", "", "WISV: tau per channel, '<scenario>:<tau>,...' (e.g. '20mbps_50ms:0.1,"
+        declare(self, "tau_per_channel", "head", "WISV: tau per channel, '<scenario>:<tau>,...' (e.g. '20mbps_50ms:0.1,"
                 "500mbps_5ms:0.02'); the scenario nearest the measured channel_state gives the tau of every wisv block, "
-                "in place of the robot's; '' = the robot's tau")
+                "in place of the robot's; 'head' = the schedule chosen with the head (its sidecar's tau_per_channel; "
+                "none there: the robot's tau); '' = the robot's tau")
         declare(self, "fly_entropy", 0.6, "method fly: accept a mismatch only where the target's normalised top-8 entropy is "
                 "at least this (0 = always, > 1 = never: greedy)", lo=0.0, hi=2.0)
         declare(self, "fly_window", 6, "method fly: the draft tokens after an accepted mismatch that must all match the "
@@ -174,7 +175,7 @@ class VerifierNode(ServingNode):
             raise ValueError(f"parameter kv_sessions: {self._param('kv_sessions')} needs backend llama_cpp "
                              "(the torch engine keeps one context); set kv_sessions:=1")
         self._tau_schedule = None
-        if self._param("tau_per_channel"):
+        if self._param("tau_per_channel") not in ("", "head"):
             from wisv_ros.link.channel import TauSchedule
 
             self._tau_schedule = TauSchedule.parse(self._param("tau_per_channel"))  # ValueError names the parameter
@@ -280,6 +281,14 @@ class VerifierNode(ServingNode):
                 judge = make_judge(head, self._channel_state)  # takes drafter projections of head.head_id too
                 head_note = (f"; decision head {head_path} (id {head.head_id})" if head.head_id else
                              f"; decision head {head_path} (takes no drafter projections: {head.split_error})")
+                if self._param("tau_per_channel") == "head" and head.meta.get("tau_per_channel"):
+                    from wisv_ros.link.channel import TauSchedule
+
+                    try:
+                        self._tau_schedule = TauSchedule.parse(head.meta["tau_per_channel"])
+                    except ValueError as exc:
+                        raise ValueError(f"head {head_path}: its sidecar's {exc}") from None
+                    head_note += f", tau per channel {head.meta['tau_per_channel']}"
             copy = CopyConfig.for_mode(self._param("copy"), probe, kappa=int(self._param("copy_kappa")),
                                        width=int(self._param("copy_width")), depth=int(self._param("copy_depth")))
             if self._param("round_log"):
