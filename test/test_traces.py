@@ -254,7 +254,7 @@ def test_harmful_labels_and_tau_per_channel_from_true_answers(tmp_path, capsys):
     """On generated problems the true answers regenerate from the folder's source: harmful = a right
     answer turned wrong; the cross-validation estimates right answers lost per tau and picks a tau
     per channel within the budget."""
-    from wisv_ros.cli.train_head import CURVE_TAUS, main as train_main, pick_tau
+    from wisv_ros.cli.train_head import CURVE_TAUS, main as train_main, monotone_fit, pick_tau
     from wisv_ros.wisv.head import sidecar_path
     from wisv_ros.wisv.traces import TraceWriter, reference_answers, task_labels
 
@@ -315,10 +315,12 @@ def test_harmful_labels_and_tau_per_channel_from_true_answers(tmp_path, capsys):
     for name, tau in schedule.items():
         assert float(tau) == pick_tau(meta["cv"]["tau_curve"][name], budgets[name])
     assert "tau per channel within those budgets" in capsys.readouterr().err
-    # pick_tau: the largest tau before the estimate first exceeds the budget; 0 when the first does.
+    # pick_tau: the largest tau whose estimate, made non-decreasing in tau, is within the budget; 0 when none is.
     pts = [{"tau": 0.01, "net_lost_per_100": 0.0}, {"tau": 0.02, "net_lost_per_100": 0.8},
-           {"tau": 0.05, "net_lost_per_100": 1.5}, {"tau": 0.1, "net_lost_per_100": 0.5}]
-    assert pick_tau(pts, 1.0) == 0.02 and pick_tau(pts, 0.0) == 0.01 and pick_tau(pts[2:], 1.0) == 0.0
+           {"tau": 0.05, "net_lost_per_100": 1.5}, {"tau": 0.1, "net_lost_per_100": 0.5}, {"tau": 0.2, "net_lost_per_100": 3.0}]
+    assert monotone_fit([p["net_lost_per_100"] for p in pts]) == [0.0, 0.8, 1.0, 1.0, 3.0]
+    assert pick_tau(pts, 1.0) == 0.1 and pick_tau(pts, 0.9) == 0.02 and pick_tau(pts, 0.0) == 0.01
+    assert pick_tau(pts[2:], 0.9) == 0.0
     # Critical labels need no true answers; harmful ones refuse a source without them.
     meta_path = tmp_path / "tr" / "meta.json"
     m = json.loads(meta_path.read_text())

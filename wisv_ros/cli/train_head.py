@@ -109,15 +109,34 @@ def channel_budgets(budget: float, fmt: WireFormat, k: int, round_compute_s: flo
     return {name: round(budget * v / worst, 4) if worst > 0 else 0.0 for name, v in share.items()}
 
 
+def monotone_fit(values: list[float]) -> list[float]:
+    """The non-decreasing sequence nearest ``values`` in least squares (pool adjacent violators).
+
+    >>> monotone_fit([0.4, 2.2, 1.4, 5.1])
+    [0.4, 1.8, 1.8, 5.1]
+    """
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values:
+        blocks.append([float(v), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            m2, n2 = blocks.pop()
+            m1, n1 = blocks.pop()
+            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    return [round(m, 6) for m, n in blocks for _ in range(int(n))]
+
+
 def pick_tau(curve: list[dict], budget: float) -> float:
     """The largest tau of a cross-validated curve (``tau_curve``, ascending tau) whose estimated net
-    loss of right answers per 100 problems (``net_lost_per_100``) is at most ``budget``, and no
-    smaller tau of the curve exceeds it; 0 (greedy SD) when even the first does."""
+    loss of right answers per 100 problems stays within ``budget`` once the estimates are made
+    non-decreasing in tau (``monotone_fit``: accepting more cannot help accuracy on average, and one
+    noisy point of a few hundred answers should neither stop the search early nor carry it too far);
+    0 (greedy SD) when even the first tau exceeds it."""
+    pts = [c for c in curve if c.get("net_lost_per_100") is not None]
+    fitted = monotone_fit([c["net_lost_per_100"] for c in pts])
     best = 0.0
-    for c in curve:
-        if c.get("net_lost_per_100") is None or c["net_lost_per_100"] > budget:
-            break
-        best = c["tau"]
+    for c, f in zip(pts, fitted):
+        if f <= budget:
+            best = c["tau"]
     return best
 
 
