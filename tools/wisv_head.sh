@@ -1,62 +1,88 @@
 #!/usr/bin/env bash
-# The WISV decision head for the default pair (Qwen2.5-Coder-0.5B drafting for 1.5B), end to end
-# (resumable; CPU hours on a 2-core machine):
-#   bash tools/wisv_head.sh [stage...]      stages: traces labels train tau eval (default: all)
-# Environment: WISV_TRACES (trace folder, default data/traces/qwen in the checkout, so that labels
-# paid for in CPU hours can be committed), WISV_MORE_TRACES (further labelled folders the train
-# stage reads too, space-separated; default data/traces/qwen_s1 and qwen_s2, gsm_symbolic seeds 1
-# and 2, where they exist), WISV_PROBLEMS (gsm_symbolic problems, default 400),
-# WISV_THREADS (processes side by side for labelling and tau selection, default 2, one thread each),
-# WISV_ROUND_S (compute time of one round that the CSI relabeling prices a repair against, default 0.1 s:
-# a robot-class drafter and a GPU edge; on this CPU a round takes about 0.2 s and the link matters less).
-# Traces and labels run on llama.cpp (the GGUF files, several times faster than torch on a CPU; labels
-# must use the traces' engine). Every stage appends to / skips what exists, so an interrupted run
-# continues where it stopped.
+# The WISV decision heads of the default pair (Qwen2.5-Coder-0.5B drafting for 1.5B) and their evaluation
+# on the 100 GSM8K problems, end to end (resumable; CPU hours on a 2-core machine):
+#   bash tools/wisv_head.sh [stage...]      stages: traces labels train eval report (default: all)
+# traces/labels: gsm_symbolic problems (generated offline; never the GSM8K test set), traced and labelled
+#   on llama.cpp in the folders of WISV_FOLDERS (default the four committed ones; new problems are traced
+#   into the last). train: the shipped heads config/heads/qwen.onnx (CSI relabeling) and qwen_no_csi.onnx
+#   (the ablation), each with its tau per channel in its sidecar. eval: the GSM8K decodes of docs/wisv.md
+#   (token-wise, docs/evaluation.md), two at a time. report: docs/results/wisv/.
+# Environment: WISV_FOLDERS, WISV_PROBLEMS (problems to trace into the last folder, default 60),
+# WISV_JOBS (processes side by side, one thread each, default 2), WISV_ROUND_S (compute time of one round
+# the CSI relabeling prices a repair against, default 0.1 s: a robot-class drafter and a GPU edge).
+# Every stage appends to / skips what exists, so an interrupted run continues where it stopped.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/tools/setup.sh"
 # shellcheck disable=SC1091
 source "$ROOT/tools/env.sh"
 cd "$ROOT"
-TRACES="${WISV_TRACES:-data/traces/qwen}"  # relative: the sidecars record the command
-PROBLEMS="${WISV_PROBLEMS:-400}"
-THREADS="${WISV_THREADS:-2}"
+read -r -a FOLDERS <<<"${WISV_FOLDERS:-data/traces/qwen data/traces/qwen_s1 data/traces/qwen_s2 data/traces/qwen_s3}"
+PROBLEMS="${WISV_PROBLEMS:-60}"
+JOBS="${WISV_JOBS:-2}"
 ROUND_S="${WISV_ROUND_S:-0.1}"
 HEADS=config/heads
-MORE=()
-for folder in ${WISV_MORE_TRACES-data/traces/qwen_s1 data/traces/qwen_s2}; do
-  [[ -d "$folder" ]] && MORE+=(--traces "$folder")
-done
+OUT=runs/wisv_eval
+TRACES=()
+for folder in "${FOLDERS[@]}"; do TRACES+=(--traces "$folder"); done
+LAST="${FOLDERS[-1]}"
+seed_of() { python -c "import json,sys; print(json.load(open(sys.argv[1] + '/meta.json'))['source'].split('seed ')[1])" "$1"; }
+schedule() { python -c "import json,sys; print(json.load(open(sys.argv[1]))['tau_per_channel'])" "${1%.onnx}.json"; }
+
+# Run the commands of a file (one per line) JOBS at a time; every command resumes by itself.
+run_jobs() {
+  local -a pids=()
+  while IFS= read -r cmd; do
+    [[ -z "$cmd" ]] && continue
+    bash -c "$cmd" & pids+=($!)
+    if ((${#pids[@]} >= JOBS)); then wait "${pids[0]}"; pids=("${pids[@]:1}"); fi
+  done <"$1"
+  for pid in "${pids[@]}"; do wait "$pid"; done
+}
+
 stages=("$@")
-((${#stages[@]})) || stages=(traces labels train tau eval)
+((${#stages[@]})) || stages=(traces labels train eval report)
 python -m wisv_ros.cli.models prepare qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct
 for stage in "${stages[@]}"; do
   case "$stage" in
-    traces) python -m wisv_ros.cli.traces collect --out "$TRACES" --problems "$PROBLEMS" --seed 0 --k 8 --threads 1 \
-              --target-backend llama_cpp --drafter-backend llama_cpp ;;
-    labels) pids=()
-            for ((i = 0; i < THREADS; i++)); do
-              python -m wisv_ros.cli.traces label --out "$TRACES" --batch-size 32 --threads 1 \
-                --target-backend llama_cpp --shard "$i/$THREADS" & pids+=($!)
+    traces) python -m wisv_ros.cli.traces collect --out "$LAST" --problems "$PROBLEMS" --seed "$(seed_of "$LAST")" \
+              --k 8 --max-new-tokens 512 --threads 1 --target-backend llama_cpp --drafter-backend llama_cpp ;;
+    labels) for folder in "${FOLDERS[@]}"; do
+              pids=()
+              for ((i = 0; i < JOBS; i++)); do
+                python -m wisv_ros.cli.traces label --out "$folder" --batch-size 32 --threads 1 \
+                  --target-backend llama_cpp --shard "$i/$JOBS" & pids+=($!)
+              done
+              for pid in "${pids[@]}"; do wait "$pid"; done
             done
-            for pid in "${pids[@]}"; do wait "$pid"; done
-            python -m wisv_ros.cli.traces summary --out "$TRACES" ;;
-    train)  mkdir -p "$HEADS"  # the shipped heads' commands (their sidecars record them)
-            H=(--hidden 64 --dropout 0.5 --lr 3e-4 --weight-decay 1e-2 --round-compute-s "$ROUND_S" --cv)
-            python -m wisv_ros.cli.train_head --traces "$TRACES" "${MORE[@]}" --out "$HEADS/default.onnx" "${H[@]}"
-            python -m wisv_ros.cli.train_head --traces "$TRACES" "${MORE[@]}" --out "$HEADS/default_no_csi.onnx" "${H[@]}" --no-csi ;;
-    tau)    pids=()
-            for ((i = 0; i < THREADS; i++)); do  # one process per core; the last to finish picks and writes tau
-              python -m wisv_ros.cli.select_tau --head "$HEADS/default.onnx" --problems 60 --threads 1 \
-                --target-backend llama_cpp --drafter-backend llama_cpp \
-                --shard "$i/$THREADS" --write config/drafter.yaml --out runs/tau & pids+=($!)
-            done
-            for pid in "${pids[@]}"; do wait "$pid"; done ;;
-    eval)   python -m wisv_ros.cli.system_bench --dataset gsm8k --limit 100 --max-new-tokens 320 \
-              --target-backend llama_cpp --drafter-backend llama_cpp \
-              --scenarios 20mbps_5ms,20mbps_50ms,500mbps_5ms,500mbps_50ms --configs greedy,fh,sh,adaptive \
-              --k 8,16,32 --tau 0.02,0.1 --head "csi=$HEADS/default.onnx" \
-              --head "no_csi=$HEADS/default_no_csi.onnx" --out runs/wisv_eval ;;
-    *) echo "unknown stage '$stage' (traces labels train tau eval)" >&2; exit 2 ;;
+            python -m wisv_ros.cli.traces summary "${TRACES[@]/--traces/--out}" --fly ;;
+    train)  # The shipped heads' commands (their sidecars record them): labels that say whether a right answer
+            # turns wrong, four channel draws per answer, grouped 5-fold cross-validation and tau per channel.
+            H=(--label harmful --hidden 64 --dropout 0.5 --lr 3e-4 --weight-decay 1e-2 --round-compute-s "$ROUND_S"
+               --channels 4 --epochs 10 --channel-epochs 10 --cv --folds 5 --accuracy-budget 1)
+            python -m wisv_ros.cli.train_head "${TRACES[@]}" --out "$HEADS/qwen.onnx" "${H[@]}" &
+            python -m wisv_ros.cli.train_head "${TRACES[@]}" --out "$HEADS/qwen_no_csi.onnx" "${H[@]}" --no-csi &
+            wait ;;
+    eval)   mkdir -p runs
+            TW="python -m wisv_ros.cli.evaluate tokenwise --dataset gsm8k --out $OUT"
+            W="$TW --method wisv --k 32"
+            {
+              echo "$TW --method greedy"
+              # The shipped schedule on the worst channel, then tau 0.02 and 0.05 on every channel (the CSI head's
+              # channel response at a fixed tau), the ablation and fly at the same kind of setting, K 8 and 16.
+              echo "$W --head $HEADS/qwen.onnx --tau-per-channel '$(schedule $HEADS/qwen.onnx)' --channel 20mbps_50ms"
+              for tau in 0.05 0.02; do
+                for ch in 20mbps_50ms 500mbps_5ms 500mbps_50ms 20mbps_5ms; do
+                  echo "$W --head $HEADS/qwen.onnx --tau $tau --channel $ch"
+                done
+                echo "$W --head $HEADS/qwen_no_csi.onnx --tau $tau --channel 20mbps_50ms"
+              done
+              echo "$TW --method fly --k 32 --fly-entropy 0.4 --fly-window 4"
+              for k in 8 16; do echo "$TW --method wisv --k $k --head $HEADS/qwen.onnx --tau 0.05 --channel 20mbps_50ms"; done
+            } >"runs/wisv_eval.jobs"
+            run_jobs runs/wisv_eval.jobs ;;
+    report) python -m wisv_ros.cli.evaluate replay --dataset gsm8k --out "$OUT" --k 8 --k 16 --k 32 --copy off
+            python -m wisv_ros.cli.evaluate report --dataset gsm8k --out "$OUT" --results docs/results/wisv --readme "" ;;
+    *) echo "unknown stage '$stage' (traces labels train eval report)" >&2; exit 2 ;;
   esac
 done
