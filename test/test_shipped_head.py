@@ -20,9 +20,9 @@ TRACES = ROOT / "data" / "traces" / "default"
 HEAD_DRAFTER = "smollm2-135m-instruct"  # the pair the shipped heads and the committed traces are of
 
 
-def stacked(folders: list[Path]) -> tuple:
+def stacked(folders: list[Path], label: str = "critical") -> tuple:
     """(drafter hiddens, target hiddens, labels, answers) of every completely labelled answer of ``folders``."""
-    episodes, _, _, _ = episodes_from_traces(folders)
+    episodes, _, _, _ = episodes_from_traces(folders, label=label)
     return (np.concatenate([e.h_draft for e in episodes]), np.concatenate([e.h_target for e in episodes]),
             np.concatenate([e.labels for e in episodes]), len(episodes))
 
@@ -89,37 +89,49 @@ def test_shipped_head_is_more_permissive_on_the_worse_channel(labelled):
 
 
 # The heads of the default pair (Qwen2.5-Coder-0.5B drafting for Qwen2.5-Coder-1.5B, both GGUF on
-# llama.cpp), trained on the three committed qwen trace folders. Their rebuild from the sidecar
-# command takes minutes on 4,000+ labels; the rebuild above checks the same training code.
+# llama.cpp), trained on the four committed qwen trace folders with harmful labels (a right final answer
+# turns wrong). Their rebuild from the sidecar command (CV included) takes minutes; the rebuild above
+# checks the same training code.
 QWEN_HEADS = {"qwen.onnx": True, "qwen_no_csi.onnx": False}
-QWEN_TRACES = [ROOT / "data" / "traces" / f for f in ("qwen", "qwen_s1", "qwen_s2")]
+QWEN_TRACES = [ROOT / "data" / "traces" / f for f in ("qwen", "qwen_s1", "qwen_s2", "qwen_s3")]
 
 
 @pytest.fixture(scope="module")
 def qwen_labelled():
-    return stacked(QWEN_TRACES)
+    return stacked(QWEN_TRACES, label="harmful")
 
 
 @pytest.mark.parametrize("name,csi", QWEN_HEADS.items())
 def test_default_pair_head_sidecar_matches_the_committed_labels(name, csi, qwen_labelled):
+    from wisv_ros.link.channel import TauSchedule
+
     head = OnnxHead(ROOT / "config" / "heads" / name)
     meta = head.meta
     assert meta["drafter"].startswith("qwen2.5-coder-0.5b-instruct") and meta["target"].startswith("qwen2.5-coder-1.5b-instruct")
     assert (head.d_draft, head.d_target) == (896, 1536)  # Qwen2.5-Coder-0.5B and -1.5B hidden sizes
-    assert meta["csi_relabeling"] is csi
+    assert meta["csi_relabeling"] is csi and meta["label"] == "harmful"
     cmd = meta["command"]
     assert all(f"--traces data/traces/{p.name} " in cmd for p in QWEN_TRACES) and f"--out config/heads/{name} " in cmd
-    # Its cross-validation ran over the completely labelled answers of the committed folders (the
-    # CSI head predates the last 2 answers' labels: 274 of 276).
+    # Its cross-validation ran over every completely labelled answer of the committed folders.
     _, _, labels, answers = qwen_labelled
     cv = meta["cv"]
-    assert 0.99 * answers <= cv["problems"] <= answers and 0.99 * len(labels) <= cv["mismatches"] <= len(labels)
+    assert (cv["problems"], cv["mismatches"], cv["critical"]) == (answers, len(labels), int(labels.sum()))
     assert meta["train_problems"] + meta["val_problems"] == cv["problems"]
-    assert min(cv["auc"].values()) > 0.75  # grouped 5-fold CV by answer: 0.82 when shipped
+    assert min(cv["auc"].values()) > 0.62  # grouped 5-fold CV by answer against harmful labels: 0.67-0.68 when shipped
+    # The tau schedule chosen with the head (the verifier's tau_per_channel "head"), within the budgets:
+    # the whole budget on the worst channel, less on the others.
+    schedule = TauSchedule.parse(meta["tau_per_channel"])
+    assert set(schedule.taus) == set(SCENARIOS) and meta["tau_per_channel"] == cv["tau_per_channel"]
+    budgets = cv["accuracy_budget"]
+    assert budgets["20mbps_50ms"] == max(budgets.values()) and budgets["500mbps_5ms"] == min(budgets.values())
 
 
 def test_default_pair_head_is_more_permissive_on_the_worse_channel(qwen_labelled):
     h_d, h_t, _, _ = qwen_labelled
     gap, gap_no_csi = channel_gaps(h_d, h_t, "qwen.onnx", "qwen_no_csi.onnx")
-    assert gap > 0.02, gap
-    assert abs(gap_no_csi) < gap / 2, (gap, gap_no_csi)
+    # With harmful labels the relabeling has little to relax (most answers hold one or two, and the budget
+    # ceil(q n) keeps a lone one on every channel), so the CSI head's own response is small: shipped, 0.0053
+    # on these mismatches against the ablation's 0.0035 (held out: 0.0043 against -0.0021). Most of WISV's
+    # channel dependence comes from the tau per channel in the sidecar.
+    assert gap > 0.004, gap
+    assert gap > gap_no_csi, (gap, gap_no_csi)
