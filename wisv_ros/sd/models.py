@@ -109,7 +109,7 @@ def _locate_gemma(cache: Path) -> Path:
     os.close(fd)
     tmp = Path(name)
     try:
-        gemma.assemble(output_path=tmp)  # checks the sha256
+        gemma.assemble(output_path=tmp, overwrite=True)  # our own empty temp file; checks the sha256
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
