@@ -6,7 +6,8 @@
 #   on llama.cpp in the folders of WISV_FOLDERS (default the four committed ones; new problems are traced
 #   into the last). train: the shipped heads config/heads/qwen.onnx (CSI relabeling) and qwen_no_csi.onnx
 #   (the ablation), each with its tau per channel in its sidecar. eval: the GSM8K decodes of docs/wisv.md
-#   (token-wise, docs/evaluation.md), two at a time. report: docs/results/wisv/.
+#   (token-wise, docs/evaluation.md), two at a time, in the order of docs/wisv.md. report:
+#   docs/results/wisv/ and its data (tools/wisv_results.sh).
 # Environment: WISV_FOLDERS, WISV_PROBLEMS (problems to trace into the last folder, default 60),
 # WISV_JOBS (processes side by side, one thread each, default 2), WISV_ROUND_S (compute time of one round
 # the CSI relabeling prices a repair against, default 0.1 s: a robot-class drafter and a GPU edge).
@@ -75,6 +76,7 @@ for stage in "${stages[@]}"; do
               echo "$W --head $HEADS/qwen.onnx --tau 0.05 --channel 20mbps_50ms"
               echo "$W --head $HEADS/qwen_no_csi.onnx --tau-per-channel $(schedule $HEADS/qwen_no_csi.onnx) --channel 20mbps_50ms"
               echo "$TW --method fly --k 32 --fly-entropy 0.6 --fly-window 1"
+              echo "$W --head $HEADS/qwen.onnx --tau 0.02 --channel 20mbps_50ms"
               echo "$W --head $HEADS/qwen.onnx --tau 0.05 --channel 500mbps_5ms"
               for ch in 500mbps_50ms 500mbps_5ms 20mbps_5ms; do echo "$CSI --channel $ch"; done
               for ch in 500mbps_50ms 20mbps_5ms; do echo "$W --head $HEADS/qwen.onnx --tau 0.05 --channel $ch"; done
@@ -82,7 +84,7 @@ for stage in "${stages[@]}"; do
             } >"runs/wisv_eval.jobs"
             run_jobs runs/wisv_eval.jobs ;;
     report) python -m wisv_ros.cli.evaluate replay --dataset gsm8k --out "$OUT" --k 8 --k 16 --k 32 --copy off
-            python -m wisv_ros.cli.evaluate report --dataset gsm8k --out "$OUT" --results docs/results/wisv --readme "" ;;
+            bash tools/wisv_results.sh ;;  # the report into docs/results/wisv/, the decoded data beside it
     *) echo "unknown stage '$stage' (traces labels train eval report)" >&2; exit 2 ;;
   esac
 done

@@ -20,7 +20,6 @@ No rclpy here.
 """
 from __future__ import annotations
 
-import math
 import re
 from typing import Mapping, Sequence
 
