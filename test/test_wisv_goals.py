@@ -49,11 +49,14 @@ def test_goal_rows_compare_each_system_on_its_own_channel():
     priced = [_priced("greedy_k8", sc, 5.0, 40, 100.0) for sc in ("20mbps_50ms", "500mbps_5ms")]
     priced += [_priced("wisv_k8_tau0.1_20mbps_50ms_h", sc, 7.5, 26, 80.0) for sc in ("20mbps_50ms", "500mbps_5ms")]
     priced += [_priced("wisv_k8_tau0.05_500mbps_5ms_h", "500mbps_5ms", 6.0, 34, 95.0)]
+    priced += [_priced("wisv_k8_tau0.1_500mbps_5ms_h", "500mbps_5ms", 6.0, 34, 95.0)]
+    priced += [_priced("wisv_k8_tau0.2_20mbps_50ms_h", "20mbps_50ms", 9.0, 20, 70.0, problems=1)]  # under way
     ref = {"a": 1, "b": 0}
-    correct = {"wisv_k8_tau0.1_20mbps_50ms_h": {"a": 1, "b": 1}, "wisv_k8_tau0.05_500mbps_5ms_h": {"a": 0, "b": 0}}
+    correct = {"wisv_k8_tau0.1_20mbps_50ms_h": {"a": 1, "b": 1}, "wisv_k8_tau0.05_500mbps_5ms_h": {"a": 0, "b": 0},
+               "wisv_k8_tau0.1_500mbps_5ms_h": {"a": 1, "b": 0}, "wisv_k8_tau0.2_20mbps_50ms_h": {"a": 1}}
     rows = goal_rows(priced, correct, ref, "gsm8k")
     by = {r["system"]: r for r in rows}
-    assert len(rows) == 2  # each WISV system only on its own channel
+    assert len(rows) == 4  # each WISV system only on its own channel
     bad = by["wisv_k8_tau0.1_20mbps_50ms_h"]
     assert bad["scenario"] == "20mbps_50ms" and bad["aal_gain"] == pytest.approx(0.5)
     assert bad["rounds_change"] == pytest.approx(-0.35) and bad["latency_change"] == pytest.approx(-0.2)
@@ -61,8 +64,12 @@ def test_goal_rows_compare_each_system_on_its_own_channel():
     assert by["wisv_k8_tau0.05_500mbps_5ms_h"]["net"] == 1
     md = goals_markdown(rows, 896, 0.1)
     assert "wisv_k8_tau0.1_20mbps_50ms_h at 20mbps_50ms: AAL +50.0 %" in md and "**met**" in md
-    assert "in the order of channel quality" in md  # 7.5 on the worse channel, 6.0 on the better one
-    assert "below greedy SD at the same K in 2 of 2" in md
+    # tau 0.1: 7.5 on the worse channel, 6.0 on the better one; tau 0.05 alone on its channel is no order
+    assert "tau 0.1, from the worst channel to the best (20mbps_50ms, 500mbps_5ms): 7.50, 6.00: **in the order" in md
+    assert "tau 0.05, from" not in md and "tau 0.2, from" not in md
+    # a run on 1 of 2 problems is reported, not judged
+    assert "wisv_k8_tau0.2_20mbps_50ms_h at 20mbps_50ms: AAL +80.0 %" in md and "**partial: 1 of 2 problems**" in md
+    assert "below greedy SD at the same K in 4 of 4" in md
 
 
 @pytest.fixture(scope="module")

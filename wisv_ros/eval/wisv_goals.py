@@ -90,6 +90,7 @@ def goal_rows(priced: Sequence[dict], correct: Mapping[str, Mapping[str, int]], 
         out.append({"dataset": dataset, "system": system, "kind": info["kind"], "k": info["k"], "head": info["head"],
                     "tau": info.get("tau", ""), "scenario": sc, "deployment": dep, "problems": r["problems"],
                     "aal": r["aal"], "greedy_aal": g["aal"], "aal_gain": round(r["aal"] / g["aal"] - 1, 4),
+                    "greedy_problems": g["problems"],
                     "rounds_per_problem": round(rounds, 2), "greedy_rounds_per_problem": round(g_rounds, 2),
                     "rounds_change": round(rounds / g_rounds - 1, 4),
                     "ms_per_token": r["ms_per_token"], "greedy_ms_per_token": g["ms_per_token"],
@@ -132,18 +133,24 @@ def goals_markdown(rows: Sequence[dict], hidden_dim: int, round_compute_s: float
         if r["scenario"] != scenario_label:
             continue
         ok = r["aal_gain"] >= GOAL_AAL and r["rounds_change"] <= GOAL_ROUNDS and r["net"] <= GOAL_NET_LOST
+        # The goals are stated on the whole data set; a run still under way compares a subset with
+        # greedy SD on every problem, so it is reported, not judged.
+        whole = r["problems"] >= r.get("greedy_problems", r["problems"])
+        verdict = ("met" if ok else "not met") if whole else f"partial: {r['problems']} of {r['greedy_problems']} problems"
         checks.append(f"- {r['system']} at {scenario_label}: AAL {_pct(r['aal_gain'])} (goal >= +40 %), rounds "
                       f"{_pct(r['rounds_change'])} (goal <= -25 %), net answers lost {r['net']} [95 % CI {r['net_lo']:.0f}, "
-                      f"{r['net_hi']:.0f}] (goal <= 1): **{'met' if ok else 'not met'}**.")
+                      f"{r['net_hi']:.0f}] (goal <= 1): **{verdict}**.")
+    # The channel response at one tau: the same head and tau on every channel it was decoded on.
     groups: dict[tuple, dict[str, float]] = {}
     for r in wisv:
-        groups.setdefault((r["k"], r["head"]), {})[r["scenario"]] = r["aal"]
-    for (k, head), aal in groups.items():
+        if r["problems"] >= r.get("greedy_problems", r["problems"]):
+            groups.setdefault((r["k"], r["head"], r["tau"]), {})[r["scenario"]] = r["aal"]
+    for (k, head, tau), aal in groups.items():
         if len(aal) < 2:
             continue
         order = [s for s in scenario_order(k, hidden_dim, round_compute_s) if s in aal]
         ok = all(aal[a] >= aal[b] for a, b in zip(order, order[1:]))
-        checks.append(f"- AAL of head {head} at K {k} from the worst channel to the best ({', '.join(order)}): "
+        checks.append(f"- AAL of head {head} at K {k}, tau {tau}, from the worst channel to the best ({', '.join(order)}): "
                       f"{', '.join(f'{aal[s]:.2f}' for s in order)}: **{'in the order of channel quality' if ok else 'not in that order'}**.")
     for d in deps:
         lat = [r for r in rows if r["kind"] == "wisv" and r["deployment"] == d]
