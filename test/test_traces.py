@@ -300,6 +300,8 @@ def test_harmful_labels_and_tau_per_channel_from_true_answers(tmp_path, capsys):
     meta = json.loads(sidecar_path(out).read_text())
     assert meta["label"] == "harmful" and meta["cv"]["critical"] == int(harm.sum())
     assert meta["cv"]["target_right"] == 6
+    # Trained on harmful labels, the AUC against harmful labels is the AUC against its own labels.
+    assert meta["cv"]["auc_harmful"] == pytest.approx(meta["cv"]["auc"])
     curve = meta["cv"]["tau_curve"]["20mbps_50ms"]
     assert [c["tau"] for c in curve] == list(CURVE_TAUS)
     for c in curve:
@@ -315,6 +317,14 @@ def test_harmful_labels_and_tau_per_channel_from_true_answers(tmp_path, capsys):
     for name, tau in schedule.items():
         assert float(tau) == pick_tau(meta["cv"]["tau_curve"][name], budgets[name])
     assert "tau per channel within those budgets" in capsys.readouterr().err
+    # Trained on critical labels, the head is still scored against harmful ones (the accuracy question).
+    out_c = tmp_path / "head_critical.onnx"
+    assert train_main(["--traces", str(tmp_path / "tr"), "--out", str(out_c), "--epochs", "5", "--lr", "0.01",
+                       "--channels", "2", "--label", "critical", "--cv", "--folds", "3"]) == 0
+    cv_c = json.loads(sidecar_path(out_c).read_text())["cv"]
+    assert cv_c["critical"] == int(crit.sum()) > int(harm.sum())
+    assert set(cv_c["auc_harmful"]) == set(cv_c["auc"]) and all(0 <= v <= 1 for v in cv_c["auc_harmful"].values())
+    assert "against harmful labels" in capsys.readouterr().err
     # pick_tau: the largest tau whose estimate, made non-decreasing in tau, is within the budget; 0 when none is.
     pts = [{"tau": 0.01, "net_lost_per_100": 0.0}, {"tau": 0.02, "net_lost_per_100": 0.8},
            {"tau": 0.05, "net_lost_per_100": 1.5}, {"tau": 0.1, "net_lost_per_100": 0.5}, {"tau": 0.2, "net_lost_per_100": 3.0}]

@@ -163,7 +163,8 @@ def cross_validate(episodes: list[Episode], make, train_kwargs: dict, order: np.
     (100 x (lost - gained)). The estimate takes each answer's mismatches as the trace met them: after
     an accepted mismatch the real text differs, so it is a guide for choosing tau, checked by decoding.
     ``"mean_reject_prob"``: {scenario: mean held-out rejection probability}, how the head responds to
-    the channel on answers it has not seen.
+    the channel on answers it has not seen. With ``outcomes``, ``"auc_harmful"``: {scenario: pooled AUC
+    against harmful labels} (a right answer turned wrong), whichever labels the head trained on.
     """
     if len(episodes) < 3:
         raise ValueError(f"cross-validation needs labelled mismatches from at least 3 problems, found {len(episodes)}")
@@ -214,6 +215,9 @@ def cross_validate(episodes: list[Episode], make, train_kwargs: dict, order: np.
            "fold_auc": fold_auc, "tau_curve": curve}
     if outcomes is not None:
         out["target_right"] = int(sum(o.target_right for o in outcomes))
+        # The accuracy question whatever the training labels: a right answer turned wrong.
+        harmful = np.concatenate([o.target_right & ~o.substituted_right for o in held_outcomes])
+        out["auc_harmful"] = {name: roc_auc(np.concatenate(v), harmful) for name, v in scores.items()}
     return out
 
 
@@ -306,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cross-validated AUC against the base labels ({args.label}; " + f"{cv['problems']} problems, {cv['mismatches']} "
               f"mismatches, {cv['critical']} positive): "
               + ", ".join(f"{name} {auc:.3f}" for name, auc in cv["auc"].items()), file=sys.stderr)
+        if "auc_harmful" in cv:
+            print("cross-validated AUC against harmful labels (a right answer turned wrong): "
+                  + ", ".join(f"{name} {auc:.3f}" for name, auc in cv["auc_harmful"].items()), file=sys.stderr)
         print("mean held-out rejection probability: "
               + ", ".join(f"{name} {v:.4f}" for name, v in cv["mean_reject_prob"].items()), file=sys.stderr)
         accuracy = "net_lost_per_100" in cv["tau_curve"]["20mbps_50ms"][0]
