@@ -72,7 +72,7 @@ def load(folders: list[str], tokenizer: str):
             rows["critical"].append(int(crit[i]))
             rows["harmful"].append(int(harm[i]))
             rows["group"].append(f"{folder}:{r['problem_id']}")
-    return {k: np.asarray(v, dtype=np.float32 if k not in ("group",) else object) for k, v in rows.items()}
+    return {k: np.asarray(v, dtype=object if k == "group" else np.float32) for k, v in rows.items()}
 
 
 def folds_by_group(groups: np.ndarray, n: int, seed: int = 0) -> list[np.ndarray]:
@@ -87,9 +87,10 @@ def standardize(train: np.ndarray, x: np.ndarray) -> np.ndarray:
 
 
 def pca(train: np.ndarray, x: np.ndarray, k: int) -> np.ndarray:
+    """``x`` on the first ``k`` whitened principal axes of ``train`` (exact SVD: the same on every run)."""
     mu = train.mean(0)
-    _, s, v = torch.pca_lowrank(torch.from_numpy(train - mu), q=k, center=False)
-    z = torch.from_numpy(x - mu) @ v[:, :k] / (s[:k] / np.sqrt(len(train)))
+    _, s, vh = torch.linalg.svd(torch.from_numpy(train - mu), full_matrices=False)
+    z = torch.from_numpy(x - mu) @ vh[:k].T / (s[:k] / np.sqrt(len(train)))
     return z.numpy()
 
 
@@ -137,20 +138,16 @@ def main(argv: list[str] | None = None) -> int:
           f"{int(data['critical'].sum())} critical, {int(data['harmful'].sum())} harmful", file=sys.stderr)
     h = np.concatenate([data["hd"], data["ht"]], axis=1)
     folds = folds_by_group(data["group"], args.folds)
+    # Each fold's inputs, fit on its training rows once and shared by every set, model and label.
+    inputs = [{"hidden": pca(h[~test], h, args.pca), **{part: standardize(data[part][~test], data[part])
+                                                        for part in ("target", "text")}} for test in folds]
     jobs = [(s, m, lab) for s in SETS for m in ("logistic", "mlp") for lab in ("critical", "harmful")]
     out = []
     for name, model, label in tqdm(jobs, desc="feature screen", unit="model"):
         score = np.zeros(n, dtype=np.float32)
-        for test in folds:
-            train = ~test
-            parts = []
-            for part in SETS[name]:
-                if part == "hidden":
-                    parts.append(pca(h[train], h, args.pca))
-                else:
-                    parts.append(standardize(data[part][train], data[part]))
-            x = np.concatenate(parts, axis=1).astype(np.float32)
-            score[test] = fit_predict(model, x[train], data[label][train], x[test])
+        for test, fold in zip(folds, inputs):
+            x = np.concatenate([fold[part] for part in SETS[name]], axis=1).astype(np.float32)
+            score[test] = fit_predict(model, x[~test], data[label][~test], x[test])
         out.append({"features": name, "model": model, "trained_on": label,
                     "auc_harmful": round(roc_auc(score, data["harmful"]), 4),
                     "auc_critical": round(roc_auc(score, data["critical"]), 4)})
