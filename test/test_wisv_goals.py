@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 
 import pytest
 import torch
@@ -120,6 +121,30 @@ def test_report_checks_wisv_goals_from_decoded_logs(tmp_path, tiny):
     summary = (results / "summary.md").read_text()
     assert "## WISV against its goals" in summary and "net answers lost 0" in summary
     assert (results / "wisv_goals.png").is_file()
+
+    # --keep-published: a second system is reported, then its raw data goes; its rows stay in every
+    # table (as published), while a plain report holds only what the run folder holds.
+    other = "wisv_k4_tau0.2_20mbps_50ms_h"
+    shutil.copy(base / "rounds" / f"{name}.jsonl", base / "rounds" / f"{other}.jsonl")
+    (base / f"live_{other}.csv").write_text("id,tokens,rounds,correct,wall_s\np0,40,5,1,1.0\np1,40,5,1,1.0\n")
+    report = ["report", "--dataset", "gsm8k", "--out", str(tmp_path / "runs"), "--results", str(results),
+              "--readme", "", "--bootstrap", "50"]
+    assert evaluate.main(report) == 0
+    tables = ("summary.csv", "accuracy.csv", "wisv_goals.csv", "wisv_protocols.csv")
+    published = {t: list(csv.DictReader(open(results / t))) for t in tables}
+    assert {r["system"] for r in published["wisv_goals.csv"]} == {name, other}
+    (base / "rounds" / f"{other}.jsonl").unlink()
+    (base / f"live_{other}.csv").unlink()
+    assert evaluate.main([*report, "--keep-published"]) == 0
+    for t in tables:
+        kept = [r for r in csv.DictReader(open(results / t)) if r["system"] == other]
+        assert kept and kept == [r for r in published[t] if r["system"] == other], t
+        assert len(list(csv.DictReader(open(results / t)))) == len(published[t]), t
+    assert f"{other} at 20mbps_50ms" in (results / "summary.md").read_text()
+    assert [r["system"] for r in csv.DictReader(open(results / "accuracy.csv"))][0].startswith("target greedy")
+    assert evaluate.main(report) == 0
+    for t in tables:
+        assert other not in {r["system"] for r in csv.DictReader(open(results / t))}, t
 
 
 def test_evaluate_tokenwise_on_real_weights_writes_resumes_and_checks(tmp_path, capsys):

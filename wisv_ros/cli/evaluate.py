@@ -413,6 +413,13 @@ def cmd_report(args) -> int:
                          "both_on_edge_ms": round(agg["both_on_edge_ms_per_token"], 2),
                          "speedup_vs_target_alone": round(agg["speedup_vs_target_alone"], 3),
                          "compute": agg["compute"]})
+    if args.keep_published:
+        order = {ds: i for i, ds in enumerate(args.dataset)}
+        rows = sorted(_with_published(rows, results / "summary.csv"),  # stable: deployments, scenarios keep their order
+                      key=lambda r: (order.get(r["dataset"], len(order)), _system_order(Path(f"{r['system']}.jsonl"))))
+        accuracy = sorted(_with_published(accuracy, results / "accuracy.csv"),
+                          key=lambda r: (order.get(r["dataset"], len(order)), not r["system"].startswith("target greedy"),
+                                         r["system"]))
     _write_csv(results / "summary.csv", rows)
     _write_csv(results / "accuracy.csv", accuracy)
     md = _report_markdown(rows, accuracy, args)
@@ -456,6 +463,9 @@ def _wisv_goals(args, rows: list[dict], results: Path, profiles) -> str:
         if not correct:
             continue
         goal = goal_rows(rows, correct, reference, ds)
+        if args.keep_published:
+            goal = sorted((r for r in _with_published(goal, results / "wisv_goals.csv") if r["dataset"] == ds),
+                          key=lambda r: r["system"])
         out_rows += goal
         heads = {parse_system(n)["head"] for n in correct if parse_system(n)["kind"] == "wisv"}
         side = Path(__file__).resolve().parents[2] / "config" / "heads"
@@ -481,6 +491,8 @@ def _wisv_goals(args, rows: list[dict], results: Path, profiles) -> str:
                                        "ms_lo": round(agg["ms_per_token_lo"], 2), "ms_hi": round(agg["ms_per_token_hi"], 2)})
     if not out_rows:
         return ""
+    if args.keep_published:
+        proto_rows = _with_published(proto_rows, results / "wisv_protocols.csv")
     _write_csv(results / "wisv_goals.csv", out_rows)
     if proto_rows:
         _write_csv(results / "wisv_protocols.csv", proto_rows)
@@ -547,6 +559,37 @@ def _system_order(path: Path) -> tuple:
         return (2, 0, name)
     k, _, copy = name.removeprefix("greedy_k").partition("+")
     return (1, int(k), ["", "ngram", "suffix", "probe"].index(copy) if copy in ("", "ngram", "suffix", "probe") else 9)
+
+
+def _published_value(text: str):
+    """A CSV cell back as the report wrote it: int, float, bool or text."""
+    if text in ("True", "False"):
+        return text == "True"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _with_published(rows: list[dict], path: Path) -> list[dict]:
+    """``rows`` plus the rows of ``path`` (an earlier report's table) whose (dataset, system) is not among
+    them: a system whose raw data is not in the run directory keeps its published row, one decoded
+    again replaces it. Kept rows go after the new ones, in their published order."""
+    if not path.is_file():
+        return rows
+    have = {(r["dataset"], r["system"]) for r in rows}
+    fields = list(rows[0]) if rows else None
+    kept = []
+    for r in csv.DictReader(open(path, newline="")):
+        if (r.get("dataset"), r.get("system")) in have:
+            continue
+        if fields is not None and set(r) != set(fields):
+            raise SystemExit(f"error: {path} has columns {sorted(r)}, this report writes {sorted(fields)}; "
+                             "run the report without --keep-published (or restore the run data of every system)")
+        kept.append({k: _published_value(v) for k, v in r.items()})
+    return rows + kept
 
 
 def _write_csv(path: Path, rows: list[dict]) -> None:
@@ -840,6 +883,9 @@ def main(argv: list[str] | None = None) -> int:
     rpt.add_argument("--deployment", action="append", help="deployments of the profile file (default: all)")
     rpt.add_argument("--profiles", default=None, help="hardware profile file (default config/hardware_profiles.yaml)")
     rpt.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples per interval (default %(default)s)")
+    rpt.add_argument("--keep-published", action="store_true",
+                     help="keep the rows of the tables already in --results for systems whose raw data is not in --out "
+                     "(a system decoded again replaces its row; default: the tables hold what --out holds)")
     rpt.add_argument("--readme", default="README.md", help="README whose results section is rewritten (default %(default)s)")
     args = p.parse_args(argv)
     args.dataset = args.dataset or list(DATASETS)
