@@ -706,11 +706,16 @@ def test_blocks_of_several_requests_verified_in_one_pass_commit_what_each_commit
     def judge(_drafter_hidden, positions, _target_hidden):  # accepts mismatches at even positions
         return torch.tensor([0.0 if p % 2 == 0 else 1.0 for p in positions])
 
+    drafted: dict[tuple, list[int]] = {}  # the second run meets the same contexts: draft each once
+
     def drafts(ref_lm, context, r):
-        toks, rows = _greedy(ref_lm, context, 4)
-        swap = (r + 1) % 4
-        toks[swap] = int(rows[swap].topk(2).indices[1])
-        return toks[:swap + 1] + _greedy(ref_lm, context + toks[:swap + 1], 3 - swap)[0] if swap < 3 else toks
+        key = (tuple(context), r)
+        if key not in drafted:
+            toks, rows = _greedy(ref_lm, context, 4)
+            swap = (r + 1) % 4
+            toks[swap] = int(rows[swap].topk(2).indices[1])
+            drafted[key] = toks[:swap + 1] + _greedy(ref_lm, context + toks[:swap + 1], 3 - swap)[0] if swap < 3 else toks
+        return list(drafted[key])
 
     def run(edge, batched, ref_lm, prompts, rounds):
         context = {f"r{j}": list(p) for j, p in enumerate(prompts)}
@@ -754,3 +759,43 @@ def test_blocks_of_several_requests_verified_in_one_pass_commit_what_each_commit
         ref.close()
         one.close()
         many.close()
+
+
+def test_the_tokenizer_saved_from_a_gguf_file_is_the_one_read_from_it(tmp_path, monkeypatch):
+    """gguf_tokenizer: the first read saves the GGUF's tokenizer into the cache; the saved one gives the
+    same vocabulary, special tokens, chat template, encodings and decodings; a damaged copy is read
+    from the GGUF again; the cache key follows the file."""
+    import os
+
+    from transformers import AutoTokenizer
+
+    from wisv_ros.sd.llama_cpp_lm import gguf_tokenizer, tokenizer_cache_path
+
+    path = models.gguf_path(MODEL)
+    monkeypatch.setenv("WISV_CACHE", str(tmp_path / "cache"))
+    saved = tokenizer_cache_path(path)
+    assert saved.is_relative_to(tmp_path / "cache") and not saved.exists()
+    direct = gguf_tokenizer(path)  # read from the GGUF file, and saved
+    assert (saved / "tokenizer.json").is_file() and (saved / "tokenizer_config.json").is_file()
+    assert [p.name for p in saved.parent.iterdir()] == [saved.name]  # no temporary folder left
+    cached = gguf_tokenizer(path)
+    assert type(cached) is type(direct)
+    assert cached.get_vocab() == direct.get_vocab() and cached.all_special_ids == direct.all_special_ids
+    assert cached.eos_token_id == direct.eos_token_id and cached.pad_token_id == direct.pad_token_id
+    chat = [{"role": "system", "content": "You are a robot."}, {"role": "user", "content": PROMPTS["math"]}]
+    assert cached.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == \
+        direct.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    for text in (*PROMPTS.values(), COPY_PROMPT, "Ünïcödé 日本語 <|im_end|>\n\t  x**2"):
+        ids = direct.encode(text)
+        assert cached.encode(text) == ids
+        for skip in (True, False):
+            assert cached.decode(ids, skip_special_tokens=skip) == direct.decode(ids, skip_special_tokens=skip)
+    (saved / "tokenizer.json").write_text("{")  # damaged: read the GGUF again and save it anew
+    again = gguf_tokenizer(path)
+    assert again.get_vocab() == direct.get_vocab()
+    assert AutoTokenizer.from_pretrained(saved).get_vocab() == direct.get_vocab()
+    other = tmp_path / "x.gguf"
+    other.write_bytes(b"GGUF")
+    key = tokenizer_cache_path(other)
+    os.utime(other, ns=(1, 1))
+    assert tokenizer_cache_path(other) != key  # a changed file is read again

@@ -20,4 +20,5 @@ cd "$ROOT"
 has_path=0
 for arg in "$@"; do [[ -e "${arg%%::*}" ]] && has_path=1; done
 ((has_path)) || set -- test/ "$@"
-exec python -m pytest -q "$@"
+# The 15 slowest tests at the end: the suite must stay under 20 minutes on a 2-core CI machine.
+exec python -m pytest -q --durations=15 "$@"

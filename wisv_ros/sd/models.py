@@ -403,7 +403,8 @@ def load_tokenizer(spec: str):
     """The tokenizer of a model spec without loading (or converting) its weights.
 
     The robot needs only the target's tokenizer: for a registry model it is read from the
-    converted folder if one exists, else straight from the GGUF file (no dequantisation).
+    converted folder if one exists, else from the GGUF file (no dequantisation; saved into the
+    cache on the first read, ``llama_cpp_lm.gguf_tokenizer``).
     """
     from transformers import AutoTokenizer
 
@@ -411,9 +412,11 @@ def load_tokenizer(spec: str):
         converted = cache_dir() / "hf" / spec
         if (converted / "tokenizer_config.json").is_file():
             return AutoTokenizer.from_pretrained(converted)
-        gguf = REGISTRY[spec].locate(cache_dir())
-        return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        from wisv_ros.sd.llama_cpp_lm import gguf_tokenizer
+
+        return gguf_tokenizer(REGISTRY[spec].locate(cache_dir()))
     if spec.endswith(".gguf"):
-        path = Path(spec).expanduser()
-        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        from wisv_ros.sd.llama_cpp_lm import gguf_tokenizer
+
+        return gguf_tokenizer(Path(spec).expanduser())
     return AutoTokenizer.from_pretrained(resolve(spec))
