@@ -503,7 +503,8 @@ def _wisv_goals(args, rows: list[dict], results: Path, profiles) -> str:
 
 
 def _wisv_goals_plot(rows: list[dict], path: Path) -> None:
-    """Left: AAL by channel, one line per (K, head); right: net answers lost against AAL gain."""
+    """Left: AAL by channel, one line per (K, head, tau) (fly: its setting), greedy SD at each K
+    dashed; right: net answers lost against AAL gain."""
     from matplotlib.figure import Figure
 
     from wisv_ros.eval.wisv_goals import scenario_order
@@ -513,14 +514,17 @@ def _wisv_goals_plot(rows: list[dict], path: Path) -> None:
     fig = Figure(figsize=(11, 4), dpi=100)
     a1, a2 = fig.subplots(1, 2)
     order = scenario_order(8, 896, 0.1)
-    for key in dict.fromkeys((r["k"], r["head"]) for r in rows):
-        pts = {r["scenario"]: r["aal"] for r in rows if (r["k"], r["head"]) == key}
+    def line(r):
+        return (r["k"], r["head"], "" if r["tau"] in ("", None) else float(r["tau"]))
+
+    for key in sorted(dict.fromkeys(line(r) for r in rows), key=str):
+        pts = {r["scenario"]: r["aal"] for r in rows if line(r) == key}
         xs = [i for i, s in enumerate(order) if s in pts]
-        a1.plot(xs, [pts[order[i]] for i in xs], "o-", label=f"K {key[0]} {key[1]}")
+        a1.plot(xs, [pts[order[i]] for i in xs], "o-", label=f"K {key[0]} {key[1]}" + (f" τ {key[2]:g}" if key[2] != "" else ""))
     for k in dict.fromkeys(r["k"] for r in rows):
         g = {r["scenario"]: r["greedy_aal"] for r in rows if r["k"] == k}
         xs = [i for i, s in enumerate(order) if s in g]
-        a1.plot(xs, [g[order[i]] for i in xs], "k--", alpha=0.5, label=f"greedy SD K {k}")
+        a1.plot(xs, [g[order[i]] for i in xs], "kx--", alpha=0.5, label=f"greedy SD K {k}")
     a1.set_xticks(range(len(order)), order, fontsize=7)
     a1.set(xlabel="channel (worst to best)", ylabel="AAL (tokens per round)")
     a1.legend(fontsize=6)
