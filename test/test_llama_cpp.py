@@ -765,11 +765,9 @@ def test_the_tokenizer_saved_from_a_gguf_file_is_the_one_read_from_it(tmp_path, 
     """gguf_tokenizer: the first read saves the GGUF's tokenizer into the cache; the saved one gives the
     same vocabulary, special tokens, chat template, encodings and decodings; a damaged copy is read
     from the GGUF again; the cache key follows the file."""
-    import os
-
     from transformers import AutoTokenizer
 
-    from wisv_ros.sd.llama_cpp_lm import gguf_tokenizer, tokenizer_cache_path
+    from wisv_ros.sd.models import gguf_tokenizer, tokenizer_cache_path
 
     path = models.gguf_path(MODEL)
     monkeypatch.setenv("WISV_CACHE", str(tmp_path / "cache"))
@@ -797,5 +795,5 @@ def test_the_tokenizer_saved_from_a_gguf_file_is_the_one_read_from_it(tmp_path, 
     other = tmp_path / "x.gguf"
     other.write_bytes(b"GGUF")
     key = tokenizer_cache_path(other)
-    os.utime(other, ns=(1, 1))
+    other.write_bytes(b"GGUF2")
     assert tokenizer_cache_path(other) != key  # a changed file is read again

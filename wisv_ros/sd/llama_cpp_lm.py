@@ -22,7 +22,7 @@ rest of the project stays unchanged. How each piece maps onto llama.cpp:
 
 The tokenizer is the Hugging Face one read from the same GGUF file, so prompts and chat templates
 are identical to the torch backend's. Reading it from the GGUF takes 10-15 s (transformers parses
-every metadata field in Python); ``gguf_tokenizer`` saves it once into the model cache, after which a
+every metadata field in Python); ``models.gguf_tokenizer`` saves it once into the model cache, after which a
 load takes under a second.
 
 No rclpy here: this module is part of the ROS-free core.
@@ -30,11 +30,7 @@ No rclpy here: this module is part of the ROS-free core.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
 import sys
-import tempfile
 import weakref
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -94,54 +90,6 @@ def _backend():
         _ggml = lib
         _initialised = True
     return llama_cpp, _ggml
-
-
-def tokenizer_cache_path(path: str | Path) -> Path:
-    """Where ``gguf_tokenizer`` keeps the tokenizer of the GGUF file ``path``: under the model cache
-    (``$WISV_CACHE``), named by the file's stem and a key over its resolved path, size and
-    modification time and the transformers version, so a changed file or library reads the GGUF again."""
-    import transformers
-
-    from wisv_ros.sd.models import cache_dir
-
-    path = Path(path).resolve()
-    st = path.stat()
-    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}".encode()).hexdigest()[:16]
-    return cache_dir() / "tokenizers" / f"{path.stem}-{key}"
-
-
-def gguf_tokenizer(path: str | Path):
-    """The Hugging Face tokenizer of a GGUF file, from the cache when it was saved there before.
-
-    The first call reads it from the GGUF (10-15 s) and saves it (``save_pretrained``: tokenizer.json,
-    its config and the chat template) into ``tokenizer_cache_path(path)``, written to a temporary
-    folder and renamed into place, so processes that start together (the nodes) never read a half
-    written one; a cache that cannot be written (read-only) only costs the time. test_llama_cpp.py
-    checks that the saved tokenizer gives the same vocabulary, special tokens, chat template,
-    encodings and decodings."""
-    from transformers import AutoTokenizer
-
-    path = Path(path)
-    saved = tokenizer_cache_path(path)
-    if (saved / "tokenizer_config.json").is_file():
-        try:
-            return AutoTokenizer.from_pretrained(saved)
-        except Exception as exc:  # noqa: BLE001 - a damaged copy (tokenizers raises its own types): read the GGUF again
-            print(f"[wisv_ros] the cached tokenizer {saved} does not load ({exc}); reading {path.name} again",
-                  file=sys.stderr)
-            shutil.rmtree(saved, ignore_errors=True)
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    try:
-        saved.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{saved.name}.", dir=saved.parent))
-        try:
-            tokenizer.save_pretrained(tmp)
-            os.rename(tmp, saved)  # fails when another process got there first: keep theirs
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    except OSError:
-        pass
-    return tokenizer
 
 
 class LlamaCppLM(CacheSync):
@@ -261,6 +209,8 @@ class LlamaCppLM(CacheSync):
             self.forward_passes = 0
 
         if tokenizer is _AUTO:
+            from wisv_ros.sd.models import gguf_tokenizer
+
             tokenizer = gguf_tokenizer(path)
         self.tokenizer = tokenizer
 

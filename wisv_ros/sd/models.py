@@ -23,6 +23,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Callable
@@ -399,12 +400,57 @@ def _fp32_output_layer(model) -> None:
     model.config.tie_word_embeddings = False
 
 
+def tokenizer_cache_path(path: str | Path) -> Path:
+    """Where ``gguf_tokenizer`` keeps the tokenizer of the GGUF file ``path``: under the model cache
+    (``$WISV_CACHE``), named by the file's stem, its content key (``_gguf_key``, as the conversion
+    cache) and the transformers version, so a changed file or library reads the GGUF again."""
+    import transformers
+
+    path = Path(path)
+    key = hashlib.sha256(f"{_gguf_key(path)}|{transformers.__version__}".encode()).hexdigest()[:16]
+    return cache_dir() / "tokenizers" / f"{path.stem}-{key}"
+
+
+def gguf_tokenizer(path: str | Path):
+    """The Hugging Face tokenizer of a GGUF file, from the cache when it was saved there before.
+
+    The first call reads it from the GGUF (10-15 s) and saves it (``save_pretrained``: tokenizer.json,
+    its config and the chat template) into ``tokenizer_cache_path(path)``, written to a temporary
+    folder and renamed into place, so processes that start together (the nodes) never read a half
+    written one; a cache that cannot be written (read-only) only costs the time. test_llama_cpp.py
+    checks that the saved tokenizer gives the same vocabulary, special tokens, chat template,
+    encodings and decodings."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    saved = tokenizer_cache_path(path)
+    if (saved / "tokenizer_config.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(saved)
+        except Exception as exc:  # noqa: BLE001 - a damaged copy (tokenizers raises its own types): read the GGUF again
+            print(f"[wisv_ros] the cached tokenizer {saved} does not load ({exc}); reading {path.name} again",
+                  file=sys.stderr)
+            shutil.rmtree(saved, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    try:
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{saved.name}.", dir=saved.parent))
+        try:
+            tokenizer.save_pretrained(tmp)
+            os.rename(tmp, saved)  # fails when another process got there first: keep theirs
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError:
+        pass
+    return tokenizer
+
+
 def load_tokenizer(spec: str):
     """The tokenizer of a model spec without loading (or converting) its weights.
 
     The robot needs only the target's tokenizer: for a registry model it is read from the
     converted folder if one exists, else from the GGUF file (no dequantisation; saved into the
-    cache on the first read, ``llama_cpp_lm.gguf_tokenizer``).
+    cache on the first read, ``gguf_tokenizer``).
     """
     from transformers import AutoTokenizer
 
@@ -412,11 +458,7 @@ def load_tokenizer(spec: str):
         converted = cache_dir() / "hf" / spec
         if (converted / "tokenizer_config.json").is_file():
             return AutoTokenizer.from_pretrained(converted)
-        from wisv_ros.sd.llama_cpp_lm import gguf_tokenizer
-
         return gguf_tokenizer(REGISTRY[spec].locate(cache_dir()))
     if spec.endswith(".gguf"):
-        from wisv_ros.sd.llama_cpp_lm import gguf_tokenizer
-
         return gguf_tokenizer(Path(spec).expanduser())
     return AutoTokenizer.from_pretrained(resolve(spec))
