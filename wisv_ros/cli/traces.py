@@ -4,12 +4,17 @@
     python -m wisv_ros.cli.traces label --out runs/traces/default --batch-size 8
     python -m wisv_ros.cli.traces summary --out runs/traces/default
     python -m wisv_ros.cli.traces bench-label --out runs/traces/default --branches 8
+    python -m wisv_ros.cli.traces search --out runs/traces/search --problems 100 --seed 4 --k 32
+    python -m wisv_ros.cli.traces oracle --out runs/traces/search
 
 collect: greedy SD over gsm_symbolic problems (generated offline; never the GSM8K test problems),
 records the first mismatch of every round (hidden states, position, tokens). label: substitutes the
 draft token, lets the target finish greedily in batches, and marks the mismatch critical when the
 final answer changes. Both append to the folder and skip what is already done, so an interrupted
-run continues where it stopped. bench-label: times labelling with one shared prefill per answer
+run continues where it stopped. search: labels the mismatches along the path the accepted tokens
+take (AutoJudge's search: a swap that leaves the answer as it is stays in the text, and the walk
+goes on from it; ``wisv_ros/wisv/search.py``); oracle: what accepting every swap the search kept
+gains over greedy SD (AAL, rounds). bench-label: times labelling with one shared prefill per answer
 against prefilling every substituted context (table + CSV). The format is described in ``wisv_ros/traces.py``.
 """
 from __future__ import annotations
@@ -44,6 +49,13 @@ def main(argv: list[str] | None = None) -> int:
                      help="continuation length limit; reaching it without a final answer counts as critical "
                           "(default: the traces' own answer budget)")
     lab.add_argument("--shard", default="0/1", help="I/N: label only problems I, I+N, I+2N, ... (run N processes side by side; default %(default)s)")
+    sea = sub.add_parser("search", help="label mismatches along the path accepted tokens take (AutoJudge's search; llama.cpp)")
+    sea.add_argument("--out", required=True, help="trace folder (created; resumed if it exists)")
+    sea.add_argument("--problems", type=int, default=100, help="gsm_symbolic problems (default %(default)s)")
+    sea.add_argument("--max-new-tokens", type=int, default=512, help="answer and continuation length limit (default %(default)s)")
+    sea.add_argument("--slots", type=int, default=16,
+                     help="answers searched side by side, one running branch each, decoded in one batch (default %(default)s)")
+    sea.add_argument("--shard", default="0/1", help="I/N: search only problems I, I+N, ... (N processes side by side; default %(default)s)")
     ben = sub.add_parser("bench-label", help="time shared-prefix labelling against per-context prefills")
     ben.add_argument("--out", required=True, help="trace folder (collected)")
     ben.add_argument("--branches", type=int, default=8, help="mismatches of one answer to label both ways (default %(default)s)")
@@ -58,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     summ.add_argument("--accuracy-budget", type=float, default=1.0,
                       help="with --fly on generated problems: name the setting that accepts the most mismatches while "
                            "its estimate loses at most this many right answers per 100, net (default %(default)s)")
-    for sp in (col, lab, ben):
+    orc = sub.add_parser("oracle", help="greedy SD against the searched paths: the AAL of accepting every harmless mismatch")
+    orc.add_argument("--out", required=True, action="append", help="searched trace folder (repeatable)")
+    for sp in (col, lab, sea, ben):
         add_model_args(sp)
     args = p.parse_args(argv)
 
@@ -92,8 +106,38 @@ def main(argv: list[str] | None = None) -> int:
                     w.writeheader()
                     w.writerows(rows)
         return 0
+    if args.cmd == "oracle":
+        from wisv_ros.wisv.search import oracle_summary
+
+        rows = [dict(folder=folder, **oracle_summary(Path(folder))) for folder in args.out]
+        print(format_table(rows))
+        return 0
     check_args(args)
     set_threads(args.threads)
+    if args.cmd == "search":
+        from wisv_ros.sd.llama_cpp_lm import LlamaCppLM
+        from wisv_ros.wisv.search import search_labels
+
+        if args.problems < 1 or args.slots < 1 or args.max_new_tokens < 1:
+            p.error(f"--problems, --slots and --max-new-tokens must be >= 1 (got {args.problems}, {args.slots}, {args.max_new_tokens})")
+        for side in ("target", "drafter"):
+            if resolve_backend(getattr(args, side), getattr(args, f"{side}_backend")) != "llama_cpp":
+                p.error(f"search runs on llama.cpp: --{side} must be a GGUF model (or pass --{side}-backend llama_cpp)")
+        shard = parse_shard(p, args.shard)
+        problems = generate_gsm_symbolic(args.problems, seed=args.seed)[shard[0]::shard[1]]
+        # Per answer: its prompt and path (up to 2 x max_new_tokens) and, on the target, one branch.
+        cells = args.slots * (768 + 3 * args.max_new_tokens)
+        threads = max(1, args.threads)
+        target = LlamaCppLM.from_gguf(args.target, n_ctx=cells, threads=threads, n_seq_max=2 * args.slots,
+                                      n_sessions=args.slots)
+        drafter = LlamaCppLM.from_gguf(args.drafter, n_ctx=cells, threads=threads, n_seq_max=args.slots,
+                                       n_sessions=args.slots)
+        res = search_labels(drafter, target, problems, Path(args.out), args.k, args.max_new_tokens, args.slots,
+                            progress=lambda total: tqdm(total=total, desc="search", unit="answer", file=sys.stderr),
+                            source=f"gsm_symbolic, seed {args.seed}")
+        print(f"{res['problems']} answers searched: {res['labelled']} labels ({res['critical']} critical, {res['kept']} "
+              f"swaps kept) in {res['seconds']} s: {res['labels_per_hour']} labels/hour")
+        return 0
     if args.cmd == "collect":
         if args.problems < 1:
             p.error(f"--problems must be >= 1 (got {args.problems})")

@@ -33,7 +33,7 @@ import ctypes
 import sys
 import weakref
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Hashable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -607,6 +607,83 @@ class LlamaCppLM(CacheSync):
                 for i in members:
                     L.llama_memory_seq_rm(self._mem, seq[i], -1, -1)
             yield members, [conts[i] for i in members]
+
+    def branch_pool(self, next_branch: Callable[[], tuple[Hashable, int, int, int] | None], max_new_tokens: int,
+                    stop: Callable[[Hashable, list[int]], bool], slots: int) -> Iterator[tuple[Hashable, list[int]]]:
+        """Greedy continuations of branches of *several* session contexts, decoded side by side.
+
+        ``next_branch()`` is asked for work whenever a slot is free and returns ``(key, session, p,
+        token)``: continue the session's first ``p`` cached tokens followed by ``token`` (the
+        branch gets its own sequence sharing those cells, as in ``continue_branches``), or None
+        when nothing is ready to start. One ``llama_decode`` advances every running branch by a
+        token. A branch ends when ``stop(key, its new tokens)`` is true, at an end-of-sequence
+        token, or after ``max_new_tokens``; it is yielded then as ``(key, continuation)`` and its
+        cells are freed. Between yields the caller may feed or roll back any session (a running
+        branch keeps its own cells). At most ``slots`` (<= ``n_seq_max - n_sessions``) branches
+        run at once; the generator ends when none runs and ``next_branch()`` returns None.
+
+        Used by the AutoJudge-style label search (``wisv_ros.wisv.search``), where each answer's
+        next branch depends on the outcome of its previous one, so the batch is formed across answers.
+        """
+        L = self._L
+        if not 1 <= slots <= self.n_seq_max - self.n_sessions:
+            raise ValueError(f"slots {slots} needs n_seq_max >= {slots + self.n_sessions} "
+                             f"(this model has {self.n_seq_max}, {self.n_sessions} of them sessions)")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
+        free = list(range(self.n_sessions + slots - 1, self.n_sessions - 1, -1))
+        eos = self.eos_ids()
+        active: dict = {}  # key -> [sequence, continuation, next token, its position]
+        try:
+            while True:
+                while free:
+                    job = next_branch()
+                    if job is None:
+                        break
+                    key, session, p, tok = job
+                    if key in active:
+                        raise ValueError(f"branch key {key!r} is already running")
+                    if not 0 <= session < self.n_sessions:
+                        raise ValueError(f"session {session} outside [0, {self.n_sessions - 1}]")
+                    if not 1 <= p <= len(self._cached[session]):
+                        raise ValueError(f"branch point {p} outside [1, {len(self._cached[session])}] (session {session})")
+                    self._check_ids([tok])
+                    seq = free.pop()
+                    L.llama_memory_seq_rm(self._mem, seq, -1, -1)
+                    L.llama_memory_seq_cp(self._mem, session, seq, 0, p)
+                    active[key] = [seq, [], int(tok), int(p)]
+                if not active:
+                    return
+                keys = list(active)
+                try:
+                    self._decode([(active[k][2], active[k][3], (active[k][0],)) for k in keys])
+                except RuntimeError as exc:
+                    raise RuntimeError(f"{exc}: {len(keys)} branches beside {self.cells_used()} session cells; "
+                                       "open the model with a larger n_ctx or run fewer slots") from exc
+                self.forward_passes += 1
+                logits = self._rows(L.llama_get_logits_ith, range(len(keys)), self._n_vocab)
+                self._chunks = {}
+                done = []
+                for row, k in enumerate(keys):
+                    st = active[k]
+                    t = int(logits[row].argmax())
+                    if t in eos:
+                        done.append(k)
+                        continue
+                    st[1].append(t)
+                    if len(st[1]) >= max_new_tokens or stop(k, st[1]):
+                        done.append(k)
+                        continue
+                    st[2], st[3] = t, st[3] + 1
+                for k in done:
+                    seq, cont = active.pop(k)[:2]
+                    L.llama_memory_seq_rm(self._mem, seq, -1, -1)
+                    free.append(seq)
+                    yield k, cont
+        finally:
+            self._chunks = {}
+            for st in active.values():
+                L.llama_memory_seq_rm(self._mem, st[0], -1, -1)
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:

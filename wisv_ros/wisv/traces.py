@@ -90,8 +90,10 @@ class TraceWriter:
         self._pending: list[dict] = []
 
     def add_problem(self, problem_id: str, answer: str | None, prompt_ids: list[int], generated: list[int],
-                    rounds: int, records: list[dict], h_draft: list[np.ndarray], h_target: list[np.ndarray]) -> None:
-        """Store one finished problem with its mismatch records (atomic per problem)."""
+                    rounds: int, records: list[dict], h_draft: list[np.ndarray], h_target: list[np.ndarray],
+                    extra: dict | None = None) -> None:
+        """Store one finished problem with its mismatch records (atomic per problem); ``extra``: more
+        fields for its problems.jsonl line."""
         for rec, hd, ht in zip(records, h_draft, h_target):
             rec = dict(rec, uid=f"{problem_id}:{rec['round_id']}", problem_id=problem_id,
                        shard=self._shard, row=len(self._rows_d))
@@ -108,7 +110,7 @@ class TraceWriter:
         self._pending = []
         with (self.folder / "problems.jsonl").open("a") as f:
             f.write(json.dumps({"id": problem_id, "answer": answer, "prompt_ids": prompt_ids,
-                                "generated_ids": generated, "rounds": rounds}) + "\n")
+                                "generated_ids": generated, "rounds": rounds, **(extra or {})}) + "\n")
         self.done.add(problem_id)
 
     def _flush_shard(self) -> None:
@@ -501,6 +503,10 @@ def label_mismatches(
     """
     folder = Path(folder)
     tr = load_traces(folder)
+    if tr.meta.get("search"):
+        # Its positions index the searched path, not the target's own answer; its labels come with it.
+        raise ValueError(f"{folder} is a {tr.meta['search']} search folder: its mismatches are labelled by the search "
+                         "(python -m wisv_ros.cli.traces search --out ...)")
     if max_new_tokens is None:
         max_new_tokens = int(tr.meta.get("max_new_tokens", 256))
     want = tr.meta.get("target_dtype")
@@ -583,7 +589,8 @@ def fly_points(traces: Traces | Sequence[Traces], entropies: Sequence[float] = F
     recs, y, pids, t_right, s_right = [], [], [], [], []
     outcomes = True
     for f, tr in enumerate(trs):
-        rows_ok = [i for i, lab in enumerate(tr.labels) if lab >= 0]
+        # Searched folders (wisv_ros.wisv.search) record no agree_after: FLy's window is unknown there.
+        rows_ok = [i for i, lab in enumerate(tr.labels) if lab >= 0 and tr.records[i].get("agree_after", 0) is not None]
         recs += [tr.records[i] for i in rows_ok]
         y += [tr.labels[i] == 1 for i in rows_ok]
         pids += [f"{f}:{tr.records[i]['problem_id']}" for i in rows_ok]

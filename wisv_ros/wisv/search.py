@@ -1,0 +1,308 @@
+"""Labels along the path the accepted tokens take (AutoJudge's search), for the WISV decision head.
+
+``traces.collect_traces`` + ``traces.label_mismatches`` label every mismatch as the first one a
+block meets on the target's *own* answer. Once WISV accepts a mismatch, the text goes on from the
+draft token, and the later mismatches are those of that other text. This search labels them:
+
+1. The target answers greedily (the answer A0 and its final number).
+2. Walk the answer in greedy-SD rounds of K draft tokens: the drafter's greedy token at a position
+   is its argmax given the path so far (teacher-forced; exactly what it drafts in a block). At the
+   first mismatch of the round, put the draft token in place of the target's and let the target
+   finish greedily to its final number. Label 0 when the number equals A0's: the swap is *kept*,
+   the path becomes the branch (draft token + continuation) and the round goes on past it, as WISV
+   accepting it would. Label 1 (critical) otherwise: the round ends with the target's token (a
+   correction), and the next round starts after it.
+3. Repeat to the end of the path.
+
+Each label is a branch continued to its final answer (no shortcut: docs/wisv.md), as in
+``label_mismatches``. One answer's branches depend on each other, so the batch is formed *across*
+answers: ``slots`` answers are searched at once, each with its own KV sequence on the target and
+the drafter, and one ``llama_decode`` advances the running branch of every answer by a token
+(``LlamaCppLM.branch_pool``). Needs a llama.cpp target and drafter that share the tokenizer.
+
+Output: a trace folder in the format of ``traces.py`` (meta.json carries ``"search":
+"autojudge"``), with the labels already in labels.jsonl, so ``train_head --traces`` takes it as it
+is. Each problems.jsonl line also holds the searched path and the round counts of greedy SD on A0
+and of the search's path: the search keeps every swap that leaves the answer as it is, so its
+rounds are those of an *oracle* head that accepts every harmless mismatch on the path and loses no
+answer, the most a head can gain at zero loss (``oracle_summary``). ``agree_after`` (FLy's window)
+is not recorded here: FLy is evaluated by decoding (``evaluate tokenwise --method fly``).
+
+Runtime code does not import this module. No rclpy.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from wisv_ros.eval.datasets import Problem, build_prompt, extract_final_number, read_jsonl
+from wisv_ros.sd.acceptance import FLY_TOP_K
+from wisv_ros.sd.drafting import encode_prompt
+from wisv_ros.wisv.traces import TraceWriter, answer_complete, same_number
+
+__all__ = ["SEARCH", "oracle_summary", "search_labels", "sd_rounds"]
+
+SEARCH = "autojudge"
+
+
+def sd_rounds(path: Sequence[int], draft_argmax: Sequence[int], k: int, rejected: set[int] | None = None) -> int:
+    """Rounds greedy SD with K draft tokens takes over ``path`` when the drafter's greedy token at
+    each position is ``draft_argmax`` and every mismatch not accepted ends its round with a
+    correction. ``rejected``: the mismatches that end a round (None: all of them, greedy SD). A full
+    block ends its round with the target's bonus token."""
+    n, r, rounds = len(path), 0, 0
+    while r < n:
+        rounds += 1
+        end = min(r + k, n)
+        j = next((j for j in range(r, end) if draft_argmax[j] != path[j] and (rejected is None or j in rejected)), None)
+        r = end + 1 if j is None else j + 1
+    return rounds
+
+
+def _features(probs: torch.Tensor) -> list[dict]:
+    """Per row of target probabilities: the features of ``traces.target_features`` but p_draft and
+    agree_after (p_target, entropy, the FLY_TOP_K largest probabilities)."""
+    ent = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
+    top = torch.topk(probs, FLY_TOP_K, dim=-1).values
+    return [{"p_target": round(float(t[0]), 6), "entropy": round(float(e), 5), "topk": [round(float(v), 6) for v in t]}
+            for t, e in zip(top, ent)]
+
+
+@dataclasses.dataclass
+class _Side:
+    """One model's teacher-forced view of an answer's path: per path index p (0 .. len(path)), its
+    argmax given prompt + path[:p] and the hidden state that prediction comes from (the state a
+    block's draft token / the verifier's row has there); for the target also the features and
+    the probability of the drafter's token."""
+
+    argmax: list[int] = dataclasses.field(default_factory=list)
+    hidden: list[np.ndarray] = dataclasses.field(default_factory=list)
+    feats: list[dict] = dataclasses.field(default_factory=list)
+
+
+def _feed_path(lm, session: int, prompt: list[int], path: list[int]) -> tuple[int, torch.Tensor, np.ndarray]:
+    """Feed what ``lm``'s session lacks of prompt + path (``sync`` rolls back to the common prefix);
+    return (path index the first returned row predicts, logits, hidden) of the rows predicting
+    path indices >= 0."""
+    lm.use(session)
+    pending = lm.sync(prompt + path)
+    first = len(path) - len(pending) + 1
+    step = lm.feed(pending, n_logits=len(pending))
+    skip = max(0, -first)
+    return first + skip, step.logits[skip:], step.hidden[skip:].numpy()
+
+
+def _refresh(target, drafter, a: "_Answer") -> None:
+    """Bring both models' views of ``a.path`` up to date (after the path changed)."""
+    f_t, logits_t, hid_t = _feed_path(target, a.session, a.prompt, a.path)
+    f_d, logits_d, hid_d = _feed_path(drafter, a.session, a.prompt, a.path)
+    for side, first, logits, hid in ((a.t, f_t, logits_t, hid_t), (a.d, f_d, logits_d, hid_d)):
+        del side.argmax[first:], side.hidden[first:], side.feats[first:]
+        side.argmax.extend(logits.argmax(-1).tolist())
+        side.hidden.extend(hid[i] for i in range(len(hid)))
+    if f_t != f_d:  # both sessions hold the same prompt + path history
+        raise RuntimeError(f"target and drafter caches disagree on {a.problem.id} (rows from {f_t} and {f_d})")
+    # Target features at every refreshed row, with the probability of the drafter's token there.
+    probs = torch.softmax(logits_t.float(), dim=-1)
+    feats = _features(probs)
+    for i, f in enumerate(feats):
+        f["p_draft"] = round(float(probs[i, a.d.argmax[f_t + i]]), 6)
+    del a.t.feats[f_t:]
+    a.t.feats.extend(feats)
+    assert len(a.t.argmax) == len(a.d.argmax) == len(a.t.feats) == len(a.path) + 1
+
+
+@dataclasses.dataclass
+class _Answer:
+    problem: Problem
+    session: int
+    prompt: list[int]
+    a0: str | None = None
+    a0_ids: list[int] | None = None
+    path: list[int] = dataclasses.field(default_factory=list)
+    t: _Side = dataclasses.field(default_factory=_Side)
+    d: _Side = dataclasses.field(default_factory=_Side)
+    r: int = 0  # round start (path index)
+    q: int = 0  # next path index to check
+    rounds: int = 0
+    kept: list[int] = dataclasses.field(default_factory=list)
+    rejected: set[int] = dataclasses.field(default_factory=set)
+    greedy_rounds: int = 0
+    records: list[dict] = dataclasses.field(default_factory=list)
+    hd: list[np.ndarray] = dataclasses.field(default_factory=list)
+    ht: list[np.ndarray] = dataclasses.field(default_factory=list)
+    labels: list[dict] = dataclasses.field(default_factory=list)
+    waiting: tuple[int, int] | None = None  # (path index, draft token) of the running branch
+    done: bool = False
+
+
+def search_labels(
+    drafter, target, problems: Sequence[Problem], out: Path, k: int, max_new_tokens: int, slots: int = 16,
+    progress: Callable | None = None, source: str = "", max_path: int | None = None,
+) -> dict:
+    """AutoJudge-style search over ``problems`` (module docstring); appends to the trace folder
+    ``out`` (resumable per problem). ``drafter`` and ``target`` are ``LlamaCppLM`` with at least
+    ``slots`` sessions (the target also ``slots`` more sequences for the branches: ``n_seq_max >=
+    2 * slots``). ``max_path`` caps a searched path (default 2 * max_new_tokens): the search of an
+    answer stops there.
+
+    Returns {"problems", "labelled", "critical", "kept", "seconds", "labels_per_hour", "new_tokens"}.
+    """
+    if not hasattr(target, "branch_pool") or not hasattr(drafter, "use"):
+        raise ValueError("the search runs on llama.cpp: pass --target-backend llama_cpp --drafter-backend llama_cpp")
+    if drafter.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+        raise ValueError("the search needs a drafter with the target's tokenizer (its draft tokens are target tokens)")
+    if target.n_sessions < slots or drafter.n_sessions < slots:
+        raise ValueError(f"slots {slots}: open both models with n_sessions >= {slots} "
+                         f"(target {target.n_sessions}, drafter {drafter.n_sessions})")
+    if k < 1 or max_new_tokens < 1:
+        raise ValueError(f"k and max_new_tokens must be >= 1 (got {k}, {max_new_tokens})")
+    max_path = max_path or 2 * max_new_tokens
+    writer = TraceWriter(out, {
+        "drafter": drafter.path.name, "target": target.path.name, "k": k, "max_new_tokens": max_new_tokens,
+        "target_dtype": "gguf", "drafter_dtype": "gguf", "d_draft": drafter.hidden_size,
+        "d_target": target.hidden_size, "source": source, "search": SEARCH,
+    })
+    todo = [p for p in problems if p.id not in writer.done]
+    tok = target.tokenizer
+    chat = bool(tok.chat_template)
+    free_sessions = list(range(slots - 1, -1, -1))
+    running: dict[str, _Answer] = {}
+    queue = list(reversed(todo))
+    stats = {"problems": 0, "labelled": 0, "critical": 0, "kept": 0, "new_tokens": 0}
+    t0 = time.perf_counter()
+    bar = progress(total=len(todo)) if progress else None
+
+    def finish(a: _Answer) -> None:
+        # Labels first, then the problem line (add_problem): a crash in between leaves a problem
+        # that is searched again, and its labels' second copy wins on load.
+        with (writer.folder / "labels.jsonl").open("a") as f:
+            for lab in a.labels:
+                f.write(json.dumps(lab) + "\n")
+        writer.add_problem(a.problem.id, a.a0, a.prompt, a.a0_ids or [], a.greedy_rounds, a.records, a.hd, a.ht,
+                           extra={"search": SEARCH, "path_ids": a.path, "search_rounds": a.rounds,
+                                  "kept": a.kept, "path_answer": a.a0})
+        target.drop(a.session)
+        drafter.drop(a.session)
+        free_sessions.append(a.session)
+        del running[a.problem.id]
+        a.done = True
+        stats["problems"] += 1
+        if bar is not None:
+            dt = max(time.perf_counter() - t0, 1e-9)
+            bar.update(1)
+            bar.set_postfix(labels=stats["labelled"], critical=stats["critical"], kept=stats["kept"],
+                            per_hour=round(stats["labelled"] / dt * 3600))
+
+    def advance(a: _Answer):
+        """Walk ``a``'s rounds to its next mismatch; return its branch job, or None when finished."""
+        n = len(a.path)
+        while a.r < n and a.r < max_path:
+            end = min(a.r + k, n)
+            j = next((j for j in range(a.q, end) if a.d.argmax[j] != a.path[j]), None)
+            if j is None:
+                a.rounds += 1
+                a.r = a.q = end + 1
+                continue
+            a.waiting = (j, int(a.d.argmax[j]))
+            return (a.problem.id, a.session, len(a.prompt) + j, a.waiting[1])
+        finish(a)
+        return None
+
+    def next_branch():
+        # Answers under way first (each has at most one branch running), then a new answer.
+        for a in list(running.values()):
+            if a.waiting is None and a.a0_ids is not None and not a.done:
+                job = advance(a)
+                if job is not None:
+                    return job
+        if free_sessions and queue:
+            p = queue.pop()
+            s = free_sessions.pop()
+            prompt = encode_prompt(tok, build_prompt(p, tokenizer_has_chat_template=chat))
+            a = running[p.id] = _Answer(problem=p, session=s, prompt=prompt)
+            target.use(s)
+            target.sync(prompt)  # the session holds prompt[:-1] (sync leaves the last id to feed)
+            if len(prompt) > 1:
+                target.prefill(prompt[:-1])
+            a.waiting = (-1, prompt[-1])
+            return (p.id, s, len(prompt) - 1, prompt[-1])  # the target's own answer first
+        return None
+
+    def on_result(a: _Answer, cont: list[int]) -> None:
+        if a.a0_ids is None:  # the target's own answer
+            a.waiting = None
+            a.a0_ids = cont
+            text = tok.decode(cont, skip_special_tokens=True)
+            cut = len(cont) >= max_new_tokens and not answer_complete(text)
+            a.a0 = None if cut else extract_final_number(text)
+            if a.a0 is None:  # no final number: nothing to compare labels with
+                a.path = list(cont)
+                finish(a)
+                return
+            a.path = list(cont)
+            _refresh(target, drafter, a)
+            a.greedy_rounds = sd_rounds(a.path, a.d.argmax, k)
+            return
+        j, d = a.waiting
+        a.waiting = None
+        branch = a.path[:j] + [d] + cont
+        text = tok.decode(branch, skip_special_tokens=True)
+        cut = len(cont) >= max_new_tokens and not answer_complete(text)
+        answer = None if cut else extract_final_number(text)
+        label = int(not same_number(answer, a.a0))
+        rid = len(a.records)
+        a.records.append({"round_id": rid, "position": j, "block_index": j - a.r, "draft_id": d,
+                          "target_id": int(a.path[j]), **a.t.feats[j], "agree_after": None, "left": k - (j - a.r) - 1, "kept": not label})
+        a.hd.append(a.d.hidden[j])
+        a.ht.append(a.t.hidden[j])
+        a.labels.append({"uid": f"{a.problem.id}:{rid}", "label": label, "answer": answer, "new_tokens": len(cont)})
+        stats["labelled"] += 1
+        stats["critical"] += label
+        stats["new_tokens"] += len(cont)
+        if label:  # the round ends with the target's correction
+            a.rejected.add(j)
+            a.rounds += 1
+            a.r = a.q = j + 1
+        else:  # kept: the path follows the draft token; the round goes on past it
+            a.kept.append(j)
+            stats["kept"] += 1
+            a.path = branch
+            _refresh(target, drafter, a)
+            a.q = j + 1
+
+    def stop(_key, cont: list[int]) -> bool:
+        return answer_complete(tok.decode(cont[-48:], skip_special_tokens=True))
+
+    for key, cont in target.branch_pool(next_branch, max_new_tokens, stop, slots):
+        on_result(running[key], cont)
+    if bar is not None:
+        bar.close()
+    dt = time.perf_counter() - t0
+    stats.update(seconds=round(dt, 1), labels_per_hour=round(stats["labelled"] / dt * 3600) if dt > 0 else 0)
+    return stats
+
+
+def oracle_summary(folder: Path) -> dict:
+    """Greedy SD against the search's oracle path over a searched folder's answers: tokens, rounds
+    and AAL (tokens per round) of each, and the AAL gain of accepting every mismatch the search kept."""
+    rows = [p for p in read_jsonl(Path(folder) / "problems.jsonl") if p.get("search") == SEARCH and p.get("answer") is not None]
+    by_id = {p["id"]: p for p in rows}  # a problem searched twice: the last line wins
+    rows = list(by_id.values())
+    g_tok = sum(len(p["generated_ids"]) for p in rows)
+    g_rounds = sum(p["rounds"] for p in rows)
+    o_tok = sum(len(p["path_ids"]) for p in rows)
+    o_rounds = sum(p["search_rounds"] for p in rows)
+    g_aal = g_tok / g_rounds if g_rounds else 0.0
+    o_aal = o_tok / o_rounds if o_rounds else 0.0
+    return {"answers": len(rows), "greedy_tokens": g_tok, "greedy_rounds": g_rounds, "greedy_aal": round(g_aal, 3),
+            "oracle_tokens": o_tok, "oracle_rounds": o_rounds, "oracle_aal": round(o_aal, 3),
+            "aal_gain": round(o_aal / g_aal - 1, 4) if g_aal else 0.0,
+            "rounds_change": round(o_rounds / g_rounds - 1, 4) if g_rounds else 0.0,
+            "kept": sum(len(p["kept"]) for p in rows)}
