@@ -196,3 +196,22 @@ def test_search_folder_trains_resumes_and_refuses_relabelling(searched, capsys):
 
     episodes, ids, meta, outcomes = episodes_from_traces([out], label="harmful")
     assert sum(len(e.labels) for e in episodes) == len(tr.labels) and all(o is not None for o in outcomes)
+
+
+def test_head_on_labels_judges_every_labelled_mismatch():
+    """The shipped head on a committed (training) trace folder: every labelled mismatch judged,
+    acceptance grows with tau, and the harmful ones rank above the rest."""
+    from pathlib import Path
+
+    from wisv_ros.wisv.search import head_on_labels
+
+    folder = Path(__file__).resolve().parents[1] / "data" / "traces" / "qwen_s1"
+    tr = load_traces(folder)
+    rep = head_on_labels(folder.parents[2] / "config" / "heads" / "qwen.onnx", [folder], "20mbps_50ms",
+                         taus=(0.0, 0.01, 0.05, 1.01))
+    assert rep["mismatches"] == int((tr.labels >= 0).sum()) and rep["critical"] == int((tr.labels == 1).sum())
+    acc = [r["accepted"] for r in rep["taus"]]
+    assert acc[0] == 0.0 and acc[-1] == 1.0 and acc == sorted(acc)
+    assert rep["auc_harmful"] > 0.5 and rep["auc_critical"] > 0.5
+    with pytest.raises(ValueError, match="no labelled"):
+        head_on_labels(folder.parents[2] / "config" / "heads" / "qwen.onnx", [], "20mbps_50ms")

@@ -72,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
                            "its estimate loses at most this many right answers per 100, net (default %(default)s)")
     orc = sub.add_parser("oracle", help="greedy SD against the searched paths: the AAL of accepting every harmless mismatch")
     orc.add_argument("--out", required=True, action="append", help="searched trace folder (repeatable)")
+    orc.add_argument("--head", default=None, help="also judge the labels with this decision head (.onnx)")
+    orc.add_argument("--channel", default="20mbps_50ms", help="with --head: channel scenario the head sees (default %(default)s)")
     for sp in (col, lab, sea, ben):
         add_model_args(sp)
     args = p.parse_args(argv)
@@ -109,8 +111,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "oracle":
         from wisv_ros.wisv.search import oracle_summary
 
-        rows = [dict(folder=folder, **oracle_summary(Path(folder))) for folder in args.out]
-        print(format_table(rows))
+        searched = [f for f in args.out if load_traces(Path(f)).meta.get("search")]
+        if not searched and not args.head:
+            p.error("oracle: none of --out was made by traces search (pass --head to judge labels of other folders)")
+        if searched:
+            print(format_table([dict(folder=folder, **oracle_summary(Path(folder))) for folder in searched]))
+        if args.head:
+            from wisv_ros.wisv.search import head_on_labels
+
+            rep = head_on_labels(Path(args.head), [Path(f) for f in args.out], args.channel)
+            print(f"\n{args.head} at {args.channel}: {rep['mismatches']} mismatches ({rep['critical']} critical, "
+                  f"{rep['harmful']} harmful); AUC {rep['auc_critical']} against critical, {rep['auc_harmful']} against harmful labels")
+            print(format_table(rep["taus"]))
         return 0
     check_args(args)
     set_threads(args.threads)

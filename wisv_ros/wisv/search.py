@@ -42,11 +42,12 @@ import numpy as np
 import torch
 
 from wisv_ros.eval.datasets import Problem, build_prompt, extract_final_number, read_jsonl
+from wisv_ros.eval.scoring import roc_auc
 from wisv_ros.sd.acceptance import FLY_TOP_K
 from wisv_ros.sd.drafting import encode_prompt
 from wisv_ros.wisv.traces import TraceWriter, answer_complete, same_number
 
-__all__ = ["SEARCH", "oracle_summary", "search_labels", "sd_rounds"]
+__all__ = ["SEARCH", "head_on_labels", "oracle_summary", "search_labels", "sd_rounds"]
 
 SEARCH = "autojudge"
 
@@ -306,3 +307,44 @@ def oracle_summary(folder: Path) -> dict:
             "aal_gain": round(o_aal / g_aal - 1, 4) if g_aal else 0.0,
             "rounds_change": round(o_rounds / g_rounds - 1, 4) if g_rounds else 0.0,
             "kept": sum(len(p["kept"]) for p in rows)}
+
+
+def _auc(scores: np.ndarray, labels: np.ndarray) -> float | None:
+    value = roc_auc(scores, labels)
+    return None if np.isnan(value) else round(value, 4)
+
+
+def head_on_labels(head_path: Path, folders: Sequence[Path], channel: str,
+                   taus: Sequence[float] = (0.01, 0.02, 0.03, 0.05)) -> dict:
+    """A decision head's rejection probabilities on the labelled mismatches of ``folders`` (searched
+    or not), the channel fixed to the scenario ``channel``: AUC against critical and harmful labels,
+    and per τ the share of mismatches it accepts (probability < τ), of critical ones, of harmful
+    ones. On searched folders of problems the head never trained on, this is how it judges the
+    mismatches on the path accepted tokens take."""
+    from wisv_ros.link.channel import scenario
+    from wisv_ros.wisv.head import OnnxHead
+    from wisv_ros.wisv.traces import load_traces, reference_answers, task_labels
+
+    head = OnnxHead(head_path)
+    feats = scenario(channel).features()
+    probs, crit, harm = [], [], []
+    for folder in folders:
+        tr = load_traces(Path(folder))
+        ok = tr.labels >= 0
+        if not ok.any():
+            continue
+        c = np.repeat(np.asarray(feats, dtype=np.float32)[None], int(ok.sum()), axis=0)
+        probs.append(head.reject_prob(tr.h_draft[ok], tr.h_target[ok], c))
+        crit.append(tr.labels[ok] == 1)
+        harm.append(task_labels(tr, "harmful", reference_answers(tr))[ok] == 1)
+    if not probs:
+        raise ValueError(f"no labelled mismatches in {', '.join(map(str, folders))}")
+    p, y_c, y_h = np.concatenate(probs), np.concatenate(crit), np.concatenate(harm)
+    rows = []
+    for tau in taus:
+        acc = p < tau
+        rows.append({"tau": tau, "accepted": round(float(acc.mean()), 4),
+                     "critical_accepted": round(float(acc[y_c].mean()), 4) if y_c.any() else None,
+                     "harmful_accepted": round(float(acc[y_h].mean()), 4) if y_h.any() else None})
+    return {"mismatches": len(p), "critical": int(y_c.sum()), "harmful": int(y_h.sum()),
+            "auc_critical": _auc(p, y_c), "auc_harmful": _auc(p, y_h), "taus": rows}
