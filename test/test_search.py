@@ -93,8 +93,13 @@ def searched(tmp_path_factory):
     drafter = Promoted(LlamaCppLM.from_gguf(MODEL, n_ctx=2048, threads=1, n_seq_max=2, n_sessions=2,
                                             tokenizer=target.tokenizer))
     problems = generate_gsm_symbolic(2, seed=7)
-    stats = search_labels(drafter, target, problems, out, k=8, max_new_tokens=200, slots=2, source="gsm_symbolic, seed 7")
-    yield out, target, drafter, problems, stats
+    # Stopped after 3 labels, then resumed: the second run replays what the first decoded.
+    first = search_labels(drafter, target, problems, out, k=8, max_new_tokens=200, slots=2, source="gsm_symbolic, seed 7",
+                          limit=3)
+    saved = (out / "partial.jsonl").read_text()
+    rest = search_labels(drafter, target, problems, out, k=8, max_new_tokens=200, slots=2, source="gsm_symbolic, seed 7")
+    stats = {key: first[key] + rest[key] for key in ("problems", "labelled", "critical", "kept")}
+    yield out, target, drafter, problems, dict(stats, first=first, saved=saved)
     target.close()
     drafter.lm.close()
 
@@ -167,6 +172,28 @@ def test_search_labels_follow_the_path_the_kept_swaps_make(searched):
         d_arg = drafter.feed(prompt + final, n_logits=len(final) + 1).logits[:-1].argmax(-1).tolist()
         assert line["search_rounds"] == sd_rounds(final, d_arg, 8, rejected={j for j in range(len(final)) if j not in kept})
     assert checked >= 3
+
+
+def test_a_stopped_search_resumes_where_it_stopped(searched):
+    """The first run stopped after 3 labels with its answers under way; the second replayed them
+    from partial.jsonl: every label decoded once, the saved ones kept as they were."""
+    out, target, drafter, problems, stats = searched
+    assert stats["first"]["labelled"] == 3 and stats["first"]["problems"] == 1  # the answer cut off at 200 tokens
+    saved = [json.loads(x) for x in stats["saved"].splitlines()]
+    assert sum(1 for x in saved if x["n"] == -1) == 2  # both answers' own text
+    events = [x for x in saved if x["n"] >= 0]
+    assert len(events) == 3
+    labels = [json.loads(x) for x in (out / "labels.jsonl").read_text().splitlines()]
+    uids = [x["uid"] for x in labels]
+    assert len(uids) == len(set(uids)) == stats["labelled"]  # no label twice, none decoded again
+    by_uid = {x["uid"]: x for x in labels}
+    for ev in events:
+        lab = by_uid[f"{ev['problem_id']}:{ev['n']}"]
+        assert (lab["answer"], lab["new_tokens"]) == (ev["answer"], ev["new_tokens"])
+        assert (lab["label"] == 0) == (ev["cont"] is not None)
+    # The finished answers' lines are dropped from partial.jsonl when the next run starts.
+    search_labels(drafter, target, problems, out, k=8, max_new_tokens=200, slots=2, source="gsm_symbolic, seed 7")
+    assert (out / "partial.jsonl").read_text() == ""
 
 
 def test_search_folder_trains_resumes_and_refuses_relabelling(searched, capsys):

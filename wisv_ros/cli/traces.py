@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     sea.add_argument("--max-new-tokens", type=int, default=512, help="answer and continuation length limit (default %(default)s)")
     sea.add_argument("--slots", type=int, default=16,
                      help="answers searched side by side, one running branch each, decoded in one batch (default %(default)s)")
+    sea.add_argument("--limit", type=int, default=None,
+                     help="stop after this many new labels; the answers under way resume from the folder's partial.jsonl")
     sea.add_argument("--shard", default="0/1", help="I/N: search only problems I, I+N, ... (N processes side by side; default %(default)s)")
     ben = sub.add_parser("bench-label", help="time shared-prefix labelling against per-context prefills")
     ben.add_argument("--out", required=True, help="trace folder (collected)")
@@ -146,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                                        n_sessions=args.slots)
         res = search_labels(drafter, target, problems, Path(args.out), args.k, args.max_new_tokens, args.slots,
                             progress=lambda total: tqdm(total=total, desc="search", unit="answer", file=sys.stderr),
-                            source=f"gsm_symbolic, seed {args.seed}")
+                            source=f"gsm_symbolic, seed {args.seed}", limit=args.limit)
         print(f"{res['problems']} answers searched: {res['labelled']} labels ({res['critical']} critical, {res['kept']} "
               f"swaps kept) in {res['seconds']} s: {res['labels_per_hour']} labels/hour")
         return 0

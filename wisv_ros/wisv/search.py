@@ -22,7 +22,10 @@ the drafter, and one ``llama_decode`` advances the running branch of every answe
 
 Output: a trace folder in the format of ``traces.py`` (meta.json carries ``"search":
 "autojudge"``), with the labels already in labels.jsonl, so ``train_head --traces`` takes it as it
-is. Each problems.jsonl line also holds the searched path and the round counts of greedy SD on A0
+is; plus ``partial.jsonl``, the branch results of answers under way (``{"problem_id", "n": -1,
+"own_ids"}`` for the target's own answer, then ``{"problem_id", "n", "j", "d", "answer",
+"new_tokens", "cont"}`` per label, ``cont`` the continuation of a kept swap), from which a stopped
+run resumes without decoding them again. Each problems.jsonl line also holds the searched path and the round counts of greedy SD on A0
 and of the search's path: the search keeps every swap that leaves the answer as it is, so its
 rounds are those of an *oracle* head that accepts every harmless mismatch on the path and loses no
 answer, the most a head can gain at zero loss (``oracle_summary``). ``agree_after`` (FLy's window)
@@ -143,12 +146,41 @@ class _Answer:
     done: bool = False
 
 
+def _load_partial(path: Path, done: set[str]) -> dict[str, tuple[list[int], list[dict]]]:
+    """What unfinished answers of an earlier run decoded: problem id -> (the target's own answer,
+    its label events in order). A later line for the same event replaces an earlier one (an answer
+    whose replay parted from its saved walk wrote its events again from there); events stop at the
+    first gap."""
+    lines: dict[str, dict[int, dict]] = {}
+    for line in read_jsonl(path):
+        if line["problem_id"] not in done:
+            by_n = lines.setdefault(line["problem_id"], {})
+            n = int(line["n"])
+            for later in [m for m in by_n if m > n]:  # written again from n: what followed is stale
+                del by_n[later]
+            by_n[n] = line
+    out = {}
+    for pid, by_n in lines.items():
+        if -1 not in by_n:
+            continue
+        events, n = [], 0
+        while n in by_n:
+            events.append(by_n[n])
+            n += 1
+        out[pid] = (by_n[-1]["own_ids"], events)
+    return out
+
+
 def search_labels(
     drafter, target, problems: Sequence[Problem], out: Path, k: int, max_new_tokens: int, slots: int = 16,
-    progress: Callable | None = None, source: str = "", max_path: int | None = None,
+    progress: Callable | None = None, source: str = "", max_path: int | None = None, limit: int | None = None,
 ) -> dict:
     """AutoJudge-style search over ``problems`` (module docstring); appends to the trace folder
-    ``out`` (resumable per problem). ``drafter`` and ``target`` are ``LlamaCppLM`` with at least
+    ``out``. Resumable without losing work: every branch result of an answer under way goes to
+    ``partial.jsonl`` as it comes (the target's own answer, then each label with its continuation
+    where the swap was kept), and a later run replays an unfinished answer from there instead of
+    decoding it again. ``limit``: stop after this many new labels (the answers under way stay in
+    partial.jsonl). ``drafter`` and ``target`` are ``LlamaCppLM`` with at least
     ``slots`` sessions (the target also ``slots`` more sequences for the branches: ``n_seq_max >=
     2 * slots``). ``max_path`` caps a searched path (default 2 * max_new_tokens): the search of an
     answer stops there.
@@ -171,6 +203,13 @@ def search_labels(
         "d_target": target.hidden_size, "source": source, "search": SEARCH,
     })
     todo = [p for p in problems if p.id not in writer.done]
+    partial_path = writer.folder / "partial.jsonl"
+    partial = _load_partial(partial_path, writer.done)
+    with partial_path.open("w") as f:  # keep the lines of unfinished answers only
+        for pid, (own, events) in partial.items():
+            f.write(json.dumps({"problem_id": pid, "n": -1, "own_ids": own}) + "\n")
+            for ev in events:
+                f.write(json.dumps(ev) + "\n")
     tok = target.tokenizer
     chat = bool(tok.chat_template)
     free_sessions = list(range(slots - 1, -1, -1))
@@ -223,11 +262,26 @@ def search_labels(
                 job = advance(a)
                 if job is not None:
                     return job
-        if free_sessions and queue:
+        while free_sessions and queue:
             p = queue.pop()
             s = free_sessions.pop()
             prompt = encode_prompt(tok, build_prompt(p, tokenizer_has_chat_template=chat))
             a = running[p.id] = _Answer(problem=p, session=s, prompt=prompt)
+            if p.id in partial:  # under way in an earlier run: replay what it decoded
+                own, events = partial[p.id]
+                own_answer(a, own, save=False)
+                job = None
+                for ev in events:
+                    job = advance(a) if not a.done else None
+                    if job is None or a.waiting != (ev["j"], ev["d"]):
+                        break  # the walk parts from the saved one (a near-tie): decode from here
+                    resolve(a, ev.get("cont"), ev["answer"], ev["new_tokens"], save=False)
+                    job = None
+                if job is None and not a.done:
+                    job = advance(a)
+                if job is not None:
+                    return job
+                continue
             target.use(s)
             target.sync(prompt)  # the session holds prompt[:-1] (sync leaves the last id to feed)
             if len(prompt) > 1:
@@ -236,53 +290,80 @@ def search_labels(
             return (p.id, s, len(prompt) - 1, prompt[-1])  # the target's own answer first
         return None
 
-    def on_result(a: _Answer, cont: list[int]) -> None:
-        if a.a0_ids is None:  # the target's own answer
-            a.waiting = None
-            a.a0_ids = cont
-            text = tok.decode(cont, skip_special_tokens=True)
-            cut = len(cont) >= max_new_tokens and not answer_complete(text)
-            a.a0 = None if cut else extract_final_number(text)
-            if a.a0 is None:  # no final number: nothing to compare labels with
-                a.path = list(cont)
-                finish(a)
-                return
-            a.path = list(cont)
-            _refresh(target, drafter, a)
-            a.greedy_rounds = sd_rounds(a.path, a.d.argmax, k)
+    def save_partial(line: dict) -> None:
+        with partial_path.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    def own_answer(a: _Answer, cont: list[int], save: bool = True) -> None:
+        a.waiting = None
+        a.a0_ids = list(cont)
+        a.path = list(cont)
+        if save:
+            save_partial({"problem_id": a.problem.id, "n": -1, "own_ids": a.a0_ids})
+        text = tok.decode(cont, skip_special_tokens=True)
+        cut = len(cont) >= max_new_tokens and not answer_complete(text)
+        a.a0 = None if cut else extract_final_number(text)
+        if a.a0 is None:  # no final number: nothing to compare labels with
+            finish(a)
             return
+        _refresh(target, drafter, a)
+        a.greedy_rounds = sd_rounds(a.path, a.d.argmax, k)
+
+    def resolve(a: _Answer, cont: list[int] | None, answer: str | None, new_tokens: int, save: bool = True) -> None:
+        """The label of the running branch from its final ``answer``; ``cont`` (its tokens) is
+        needed where the swap is kept."""
         j, d = a.waiting
         a.waiting = None
-        branch = a.path[:j] + [d] + cont
-        text = tok.decode(branch, skip_special_tokens=True)
-        cut = len(cont) >= max_new_tokens and not answer_complete(text)
-        answer = None if cut else extract_final_number(text)
         label = int(not same_number(answer, a.a0))
         rid = len(a.records)
+        if save:
+            save_partial({"problem_id": a.problem.id, "n": rid, "j": j, "d": d, "answer": answer,
+                          "new_tokens": new_tokens, "cont": None if label else cont})
         a.records.append({"round_id": rid, "position": j, "block_index": j - a.r, "draft_id": d,
-                          "target_id": int(a.path[j]), **a.t.feats[j], "agree_after": None, "left": k - (j - a.r) - 1, "kept": not label})
+                          "target_id": int(a.path[j]), **a.t.feats[j], "agree_after": None, "left": k - (j - a.r) - 1,
+                          "kept": not label})
         a.hd.append(a.d.hidden[j])
         a.ht.append(a.t.hidden[j])
-        a.labels.append({"uid": f"{a.problem.id}:{rid}", "label": label, "answer": answer, "new_tokens": len(cont)})
-        stats["labelled"] += 1
-        stats["critical"] += label
-        stats["new_tokens"] += len(cont)
+        a.labels.append({"uid": f"{a.problem.id}:{rid}", "label": label, "answer": answer, "new_tokens": new_tokens})
+        if save:
+            stats["labelled"] += 1
+            stats["critical"] += label
+            stats["new_tokens"] += new_tokens
         if label:  # the round ends with the target's correction
             a.rejected.add(j)
             a.rounds += 1
             a.r = a.q = j + 1
         else:  # kept: the path follows the draft token; the round goes on past it
             a.kept.append(j)
-            stats["kept"] += 1
-            a.path = branch
+            if save:
+                stats["kept"] += 1
+            a.path = a.path[:j] + [d] + list(cont)
             _refresh(target, drafter, a)
             a.q = j + 1
+
+    def on_result(a: _Answer, cont: list[int]) -> None:
+        if a.a0_ids is None:  # the target's own answer
+            own_answer(a, cont)
+            return
+        j, d = a.waiting
+        text = tok.decode(a.path[:j] + [d] + cont, skip_special_tokens=True)
+        cut = len(cont) >= max_new_tokens and not answer_complete(text)
+        resolve(a, cont, None if cut else extract_final_number(text), len(cont))
 
     def stop(_key, cont: list[int]) -> bool:
         return answer_complete(tok.decode(cont[-48:], skip_special_tokens=True))
 
-    for key, cont in target.branch_pool(next_branch, max_new_tokens, stop, slots):
-        on_result(running[key], cont)
+    pool = target.branch_pool(next_branch, max_new_tokens, stop, slots)
+    try:
+        for key, cont in pool:
+            on_result(running[key], cont)
+            if limit is not None and stats["labelled"] >= limit:
+                break  # the answers under way resume from partial.jsonl
+    finally:
+        pool.close()  # frees the running branches' sequences
+        for a in list(running.values()):
+            target.drop(a.session)
+            drafter.drop(a.session)
     if bar is not None:
         bar.close()
     dt = time.perf_counter() - t0
