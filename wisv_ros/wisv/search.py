@@ -44,11 +44,10 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from wisv_ros.eval.datasets import Problem, build_prompt, extract_final_number, read_jsonl
+from wisv_ros.eval.datasets import Problem, build_prompt, read_jsonl
 from wisv_ros.eval.scoring import roc_auc
-from wisv_ros.sd.acceptance import FLY_TOP_K
 from wisv_ros.sd.drafting import encode_prompt
-from wisv_ros.wisv.traces import TraceWriter, answer_complete, same_number
+from wisv_ros.wisv.traces import TraceWriter, answer_complete, final_answer, mismatch_features, same_number
 
 __all__ = ["SEARCH", "head_on_labels", "oracle_summary", "search_labels", "sd_rounds"]
 
@@ -69,25 +68,16 @@ def sd_rounds(path: Sequence[int], draft_argmax: Sequence[int], k: int, rejected
     return rounds
 
 
-def _features(probs: torch.Tensor) -> list[dict]:
-    """Per row of target probabilities: the features of ``traces.target_features`` but p_draft and
-    agree_after (p_target, entropy, the FLY_TOP_K largest probabilities)."""
-    ent = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
-    top = torch.topk(probs, FLY_TOP_K, dim=-1).values
-    return [{"p_target": round(float(t[0]), 6), "entropy": round(float(e), 5), "topk": [round(float(v), 6) for v in t]}
-            for t, e in zip(top, ent)]
-
-
 @dataclasses.dataclass
 class _Side:
-    """One model's teacher-forced view of an answer's path: per path index p (0 .. len(path)), its
-    argmax given prompt + path[:p] and the hidden state that prediction comes from (the state a
-    block's draft token / the verifier's row has there); for the target also the features and
-    the probability of the drafter's token."""
+    """One model's teacher-forced view of an answer's path, per path index p (0 .. len(path)): the
+    hidden state its prediction of path[p] comes from (the state a block's draft token / the
+    verifier's row has there); the drafter's argmax there; the target's ``mismatch_features`` at
+    the indices where that argmax differs from the path (the mismatches a walk can meet)."""
 
-    argmax: list[int] = dataclasses.field(default_factory=list)
     hidden: list[np.ndarray] = dataclasses.field(default_factory=list)
-    feats: list[dict] = dataclasses.field(default_factory=list)
+    argmax: list[int] = dataclasses.field(default_factory=list)
+    feats: dict[int, dict] = dataclasses.field(default_factory=dict)
 
 
 def _feed_path(lm, session: int, prompt: list[int], path: list[int]) -> tuple[int, torch.Tensor, np.ndarray]:
@@ -104,22 +94,21 @@ def _feed_path(lm, session: int, prompt: list[int], path: list[int]) -> tuple[in
 
 def _refresh(target, drafter, a: "_Answer") -> None:
     """Bring both models' views of ``a.path`` up to date (after the path changed)."""
-    f_t, logits_t, hid_t = _feed_path(target, a.session, a.prompt, a.path)
     f_d, logits_d, hid_d = _feed_path(drafter, a.session, a.prompt, a.path)
-    for side, first, logits, hid in ((a.t, f_t, logits_t, hid_t), (a.d, f_d, logits_d, hid_d)):
-        del side.argmax[first:], side.hidden[first:], side.feats[first:]
-        side.argmax.extend(logits.argmax(-1).tolist())
-        side.hidden.extend(hid[i] for i in range(len(hid)))
+    f_t, logits_t, hid_t = _feed_path(target, a.session, a.prompt, a.path)
     if f_t != f_d:  # both sessions hold the same prompt + path history
         raise RuntimeError(f"target and drafter caches disagree on {a.problem.id} (rows from {f_t} and {f_d})")
-    # Target features at every refreshed row, with the probability of the drafter's token there.
-    probs = torch.softmax(logits_t.float(), dim=-1)
-    feats = _features(probs)
-    for i, f in enumerate(feats):
-        f["p_draft"] = round(float(probs[i, a.d.argmax[f_t + i]]), 6)
-    del a.t.feats[f_t:]
-    a.t.feats.extend(feats)
-    assert len(a.t.argmax) == len(a.d.argmax) == len(a.t.feats) == len(a.path) + 1
+    for side, hid in ((a.t, hid_t), (a.d, hid_d)):
+        del side.hidden[f_t:]
+        side.hidden.extend(hid[i] for i in range(len(hid)))
+    del a.d.argmax[f_t:]
+    a.d.argmax.extend(logits_d.argmax(-1).tolist())
+    for j in [j for j in a.t.feats if j >= f_t]:
+        del a.t.feats[j]
+    for j in range(f_t, len(a.path)):
+        if a.d.argmax[j] != a.path[j]:
+            a.t.feats[j] = mismatch_features(logits_t[j - f_t], a.d.argmax[j])
+    assert len(a.t.hidden) == len(a.d.hidden) == len(a.d.argmax) == len(a.path) + 1
 
 
 @dataclasses.dataclass
@@ -136,7 +125,6 @@ class _Answer:
     q: int = 0  # next path index to check
     rounds: int = 0
     kept: list[int] = dataclasses.field(default_factory=list)
-    rejected: set[int] = dataclasses.field(default_factory=set)
     greedy_rounds: int = 0
     records: list[dict] = dataclasses.field(default_factory=list)
     hd: list[np.ndarray] = dataclasses.field(default_factory=list)
@@ -227,7 +215,7 @@ def search_labels(
                 f.write(json.dumps(lab) + "\n")
         writer.add_problem(a.problem.id, a.a0, a.prompt, a.a0_ids or [], a.greedy_rounds, a.records, a.hd, a.ht,
                            extra={"search": SEARCH, "path_ids": a.path, "search_rounds": a.rounds,
-                                  "kept": a.kept, "path_answer": a.a0})
+                                  "kept": a.kept})
         target.drop(a.session)
         drafter.drop(a.session)
         free_sessions.append(a.session)
@@ -300,9 +288,7 @@ def search_labels(
         a.path = list(cont)
         if save:
             save_partial({"problem_id": a.problem.id, "n": -1, "own_ids": a.a0_ids})
-        text = tok.decode(cont, skip_special_tokens=True)
-        cut = len(cont) >= max_new_tokens and not answer_complete(text)
-        a.a0 = None if cut else extract_final_number(text)
+        a.a0 = final_answer(tok.decode(cont, skip_special_tokens=True), len(cont), max_new_tokens)
         if a.a0 is None:  # no final number: nothing to compare labels with
             finish(a)
             return
@@ -330,7 +316,6 @@ def search_labels(
             stats["critical"] += label
             stats["new_tokens"] += new_tokens
         if label:  # the round ends with the target's correction
-            a.rejected.add(j)
             a.rounds += 1
             a.r = a.q = j + 1
         else:  # kept: the path follows the draft token; the round goes on past it
@@ -347,8 +332,7 @@ def search_labels(
             return
         j, d = a.waiting
         text = tok.decode(a.path[:j] + [d] + cont, skip_special_tokens=True)
-        cut = len(cont) >= max_new_tokens and not answer_complete(text)
-        resolve(a, cont, None if cut else extract_final_number(text), len(cont))
+        resolve(a, cont, final_answer(text, len(cont), max_new_tokens), len(cont))
 
     def stop(_key, cont: list[int]) -> bool:
         return answer_complete(tok.decode(cont[-48:], skip_special_tokens=True))

@@ -50,7 +50,8 @@ from wisv_ros.sd.rounds import generate
 from wisv_ros.sd.lm import CausalLM
 
 __all__ = ["LABEL_KINDS", "TraceWriter", "answer_complete", "answer_outcomes", "bench_labelling", "collect_traces",
-           "fly_points", "label_mismatches", "load_traces", "reference_answers", "same_number", "target_features",
+           "final_answer", "fly_points", "label_mismatches", "load_traces", "mismatch_features", "reference_answers",
+           "same_number", "target_features",
            "task_labels"]
 
 _SHARD_ROWS = 512
@@ -150,17 +151,31 @@ def target_features(logits: torch.Tensor, draft: Sequence[int], a: int) -> dict:
     agree_after: how many draft tokens after ``a`` equal the target's argmax given the draft so far
     (the next tokens a lenient rule would keep; FLy's deferred window); left: draft tokens after ``a``.
     """
-    row = torch.softmax(logits[a].float(), dim=-1)
-    ent = float(-(row * torch.log(row.clamp_min(1e-30))).sum())
-    top = torch.topk(row, FLY_TOP_K).values
     agree = 0
     for j in range(a + 1, len(draft)):
         if int(logits[j].argmax()) != int(draft[j]):
             break
         agree += 1
-    return {"p_draft": round(float(row[int(draft[a])]), 6), "p_target": round(float(top[0]), 6),
-            "entropy": round(ent, 5), "topk": [round(float(v), 6) for v in top],
-            "agree_after": agree, "left": len(draft) - a - 1}
+    return {**mismatch_features(logits[a], int(draft[a])), "agree_after": agree, "left": len(draft) - a - 1}
+
+
+def mismatch_features(logits_row: torch.Tensor, draft_id: int) -> dict:
+    """The target's distribution at a mismatch (one row of logits): p_draft / p_target, its
+    probability of the draft token and of its own token; entropy (nats); topk, its FLY_TOP_K
+    largest probabilities."""
+    row = torch.softmax(logits_row.float(), dim=-1)
+    ent = float(-(row * torch.log(row.clamp_min(1e-30))).sum())
+    top = torch.topk(row, FLY_TOP_K).values
+    return {"p_draft": round(float(row[int(draft_id)]), 6), "p_target": round(float(top[0]), 6),
+            "entropy": round(ent, 5), "topk": [round(float(v), 6) for v in top]}
+
+
+def final_answer(text: str, new_tokens: int, budget: int) -> str | None:
+    """The final number of an answer ``text`` whose last ``new_tokens`` were generated under a
+    ``budget``; None when they ran into the budget before the answer was stated (cut off)."""
+    if new_tokens >= budget and not answer_complete(text):
+        return None
+    return extract_final_number(text)
 
 
 class _TracingVerifier(Verifier):
@@ -554,8 +569,7 @@ def label_mismatches(
                     r = tr.records[rows[j]]
                     answer_ids = p["generated_ids"][: r["position"]] + [r["draft_id"]] + cont
                     text = target.tokenizer.decode(answer_ids, skip_special_tokens=True)
-                    cut_off = len(cont) >= max_new_tokens and not answer_complete(text)
-                    answer = None if cut_off else extract_final_number(text)
+                    answer = final_answer(text, len(cont), max_new_tokens)
                     label = int(answer != p["answer"])
                     crit += label
                     f.write(json.dumps({"uid": r["uid"], "label": label, "answer": answer, "new_tokens": len(cont)}) + "\n")
