@@ -8,6 +8,8 @@ not bit for bit across backends. Within llama.cpp, the same batch layout gives b
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -637,6 +639,73 @@ def test_a_long_context_is_prefilled_in_chunks_between_other_requests_blocks():
     finally:
         lm.close()
         one.close()
+
+
+def test_a_traced_branch_adopted_by_a_session_is_what_feeding_it_there_computes(llm):
+    """branch_pool(trace_top=n) yields each branch's hidden states and logit summary beside its
+    continuation; adopt() hands the branch's cells to the session, which then holds what feeding the
+    branch there would hold: the next feed's logits, and the traced rows, match a fresh feed of the
+    same text (up to llama.cpp's batched rounding). The search's features from a traced row equal
+    mismatch_features on the logits (branch_features). A branch can be adopted only while the pool
+    holds it."""
+    from wisv_ros.wisv.traces import branch_features, mismatch_features
+
+    prompt = encode_prompt(llm.tokenizer, PROMPTS["math"])
+    answer, _ = _greedy(llm, prompt, 24)
+    ids = prompt + answer
+    llm.reset()
+    llm.feed(ids, n_logits=1)
+    p = len(prompt) + 10
+    jobs = [("a", 0, p, 42), ("b", 0, len(prompt) + 20, 11)]
+    got = {}
+    pool = llm.branch_pool(lambda: jobs.pop(0) if jobs else None, 10, lambda k, c: False, 2, trace_top=16)
+    for key, cont, tr in pool:
+        got[key] = (cont, tr)
+        assert tr.fed[0] == (42 if key == "a" else 11) and tr.fed[1:] == cont[:len(tr.fed) - 1]
+        assert tr.hidden.shape == (len(tr.fed), llm.hidden_size) and tr.top_ids.shape == (len(tr.fed), 16)
+        if key == "a":
+            llm.adopt(0, tr)
+    cont, tr = got["a"]
+    assert not tr.alive and len(got) == 2 and len(cont) == len(tr.fed) == 10  # (no end-of-sequence token)
+    with pytest.raises(RuntimeError, match="adopt"):
+        llm.adopt(0, tr)
+    text = ids[:p] + tr.fed
+    assert llm.cached == text
+    adopted = llm.feed([cont[-1]], n_logits=1).logits[-1]
+    llm.reset()
+    fresh = llm.feed(text + [cont[-1]], n_logits=len(tr.fed) + 1)
+    rows = fresh.logits[:-1]
+    # The branch's rows were decoded one token at a time beside another branch, the fresh ones in
+    # one pass: llama.cpp rounds the two differently (test_prefill..., _same_or_near_tie), by far
+    # less than a session that lacks the branch differs.
+    llm.reset()
+    lacking = llm.feed(ids[:p] + [42, cont[-1]], n_logits=1).logits[-1]
+    assert float((lacking - fresh.logits[-1]).abs().max()) > 5.0
+    assert float((adopted - fresh.logits[-1]).abs().max()) < 0.5
+    assert int(adopted.argmax()) == int(fresh.logits[-1].argmax())
+    assert np.abs(tr.hidden - fresh.hidden[p:p + len(tr.fed)].numpy()).max() < 0.05 * np.abs(tr.hidden).max()
+    assert np.allclose(tr.logsumexp, torch.logsumexp(rows, -1).numpy(), atol=0.3)
+    assert np.allclose(tr.top_logits, torch.topk(rows, 16, -1).values.numpy(), atol=0.5)
+    assert (tr.top_ids[:, 0] == rows.argmax(-1).numpy()).all()
+    for r in range(len(tr.fed)):
+        runner_up = int(tr.top_ids[r, 1])
+        mine, ref = branch_features(tr, r, runner_up), mismatch_features(rows[r], runner_up)
+        assert mine["topk"] == pytest.approx(ref["topk"], abs=0.05) and mine["entropy"] == pytest.approx(ref["entropy"], abs=0.1)
+        assert mine["p_draft"] == pytest.approx(ref["p_draft"], abs=0.05)
+    # On the same logits, branch_features is mismatch_features.
+    logp = torch.log_softmax(rows, -1)
+    top = torch.topk(rows, 16, -1)
+    same = dataclasses.replace(tr, logsumexp=torch.logsumexp(rows, -1).numpy(), entropy=(-(logp.exp() * logp).sum(-1)).numpy(),
+                               top_ids=top.indices.numpy(), top_logits=top.values.numpy())
+    for r in range(len(tr.fed)):
+        for d in same.top_ids[r, [0, 1, 5, 15]].tolist():
+            mine, ref = branch_features(same, r, d), mismatch_features(rows[r], d)
+            # (float32 sums over the vocabulary: the log-sum-exp and softmax round apart by ~1e-5)
+            assert mine["topk"] == pytest.approx(ref["topk"], abs=1e-4) and mine["p_draft"] == pytest.approx(ref["p_draft"], abs=1e-4)
+            assert mine["entropy"] == pytest.approx(ref["entropy"], abs=1e-4)
+    assert branch_features(tr, 0, int(torch.topk(rows[0], 17).indices[-1])) is None  # not among the 16 kept
+    with pytest.raises(ValueError, match="trace_top"):
+        next(llm.branch_pool(lambda: None, 10, lambda k, c: False, 2, trace_top=-1))
 
 
 def test_prefill_skips_the_outputs_and_leaves_the_cache_a_feed_leaves(llm):

@@ -98,7 +98,7 @@ def searched(tmp_path_factory):
                           limit=3)
     saved = (out / "partial.jsonl").read_text()
     rest = search_labels(drafter, target, problems, out, k=8, max_new_tokens=200, slots=2, source="gsm_symbolic, seed 7")
-    stats = {key: first[key] + rest[key] for key in ("problems", "labelled", "critical", "kept")}
+    stats = {key: first[key] + rest[key] for key in ("problems", "labelled", "critical", "kept", "adopted")}
     yield out, target, drafter, problems, dict(stats, first=first, saved=saved)
     target.close()
     drafter.lm.close()
@@ -113,6 +113,9 @@ def test_search_labels_follow_the_path_the_kept_swaps_make(searched):
     records = [json.loads(x) for x in (out / "mismatches.jsonl").read_text().splitlines()]
     assert len(labels) == len(records) == stats["labelled"]
     assert sum(x["label"] for x in labels.values()) == stats["critical"]
+    # Every kept swap decoded here took the target's pass from its branch (adopt): the drafter's
+    # token is the target's runner-up, always among the logits a branch row keeps.
+    assert stats["kept"] > 0 and stats["adopted"] == stats["kept"]
     checked = 0
     for line, problem in zip(sorted(lines, key=lambda x: x["id"]), sorted(problems, key=lambda p: p.id)):
         prompt = encode_prompt(tok, build_prompt(problem, tokenizer_has_chat_template=True))

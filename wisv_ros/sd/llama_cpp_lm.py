@@ -30,6 +30,7 @@ No rclpy here: this module is part of the ROS-free core.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import sys
 import weakref
 from pathlib import Path
@@ -40,12 +41,35 @@ import torch
 
 from wisv_ros.sd.lm import LAYER_KINDS, CacheSync, Step
 
-__all__ = ["LlamaCppLM", "NODE_NAMES"]
+__all__ = ["BranchTrace", "LlamaCppLM", "NODE_NAMES"]
 
 #: llama.cpp graph node of each capture kind (``<name>-<layer>``; qwen2 and llama graphs).
 NODE_NAMES = {"post_attn": "ffn_inp", "post_mlp": "l_out"}
 
 _AUTO = object()  # tokenizer argument default: read it from the GGUF file
+
+
+@dataclasses.dataclass
+class BranchTrace:
+    """What the model computed along one finished branch of ``branch_pool(trace_top=n)``.
+
+    Row i is the pass over ``fed[i]`` (at cache position ``p + i``), the row that predicts the
+    token after it: its final-norm hidden state, the log-sum-exp of its logits, the entropy of its
+    distribution (nats) and its ``n`` largest logits with their token ids, largest first. ``fed``
+    is the branch token followed by the continuation's tokens that were fed (all but the last,
+    and the last too when the branch ended at an end-of-sequence token). While the pool holds the
+    branch (until the consumer asks for its next item) ``adopt`` can move its cells into a
+    session."""
+
+    seq: int
+    p: int
+    fed: list[int]
+    hidden: np.ndarray
+    logsumexp: np.ndarray
+    entropy: np.ndarray
+    top_ids: np.ndarray
+    top_logits: np.ndarray
+    alive: bool = True
 _initialised = False
 _ggml = None
 
@@ -463,6 +487,9 @@ class LlamaCppLM(CacheSync):
             raise ValueError(f"prefilling {len(ids)} tokens after {len(self.cached)} (all sessions: {self.cells_used()}) "
                              f"would exceed n_ctx {self.n_ctx}")
         base = len(self.cached)
+        # With embeddings on and pooling NONE llama.cpp makes every token an output (and says so
+        # on every call); off, the rows not asked for skip the output head.
+        self._L.llama_set_embeddings(self._ctx, False)
         try:
             for start in range(0, len(ids), self.n_batch):
                 chunk = ids[start:start + self.n_batch]
@@ -473,6 +500,7 @@ class LlamaCppLM(CacheSync):
             del self.cached[base:]
             raise
         finally:
+            self._L.llama_set_embeddings(self._ctx, True)
             self._chunks = {}
         self.forward_passes += 1
 
@@ -609,7 +637,8 @@ class LlamaCppLM(CacheSync):
             yield members, [conts[i] for i in members]
 
     def branch_pool(self, next_branch: Callable[[], tuple[Hashable, int, int, int] | None], max_new_tokens: int,
-                    stop: Callable[[Hashable, list[int]], bool], slots: int) -> Iterator[tuple[Hashable, list[int]]]:
+                    stop: Callable[[Hashable, list[int]], bool], slots: int, trace_top: int = 0,
+                    ) -> Iterator[tuple[Hashable, list[int]] | tuple[Hashable, list[int], BranchTrace]]:
         """Greedy continuations of branches of *several* session contexts, decoded side by side.
 
         ``next_branch()`` is asked for work whenever a slot is free and returns ``(key, session, p,
@@ -622,6 +651,10 @@ class LlamaCppLM(CacheSync):
         branch keeps its own cells). At most ``slots`` (<= ``n_seq_max - n_sessions``) branches
         run at once; the generator ends when none runs and ``next_branch()`` returns None.
 
+        ``trace_top`` > 0: yield ``(key, continuation, BranchTrace)`` instead, the branch's hidden
+        states and a summary of its logits (the ``trace_top`` largest), and keep its cells until
+        the consumer asks for the next item, so that ``adopt`` can hand them to a session.
+
         Used by the AutoJudge-style label search (``wisv_ros.wisv.search``), where each answer's
         next branch depends on the outcome of its previous one, so the batch is formed across answers.
         """
@@ -631,9 +664,12 @@ class LlamaCppLM(CacheSync):
                              f"(this model has {self.n_seq_max}, {self.n_sessions} of them sessions)")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
+        if trace_top < 0 or trace_top > self._n_vocab:
+            raise ValueError(f"trace_top must be in [0, {self._n_vocab}] (got {trace_top})")
         free = list(range(self.n_sessions + slots - 1, self.n_sessions - 1, -1))
         eos = self.eos_ids()
-        active: dict = {}  # key -> [sequence, continuation, next token, its position]
+        # key -> [sequence, continuation, next token, its position, branch point, trace rows]
+        active: dict = {}
         try:
             while True:
                 while free:
@@ -651,7 +687,7 @@ class LlamaCppLM(CacheSync):
                     seq = free.pop()
                     L.llama_memory_seq_rm(self._mem, seq, -1, -1)
                     L.llama_memory_seq_cp(self._mem, session, seq, 0, p)
-                    active[key] = [seq, [], int(tok), int(p)]
+                    active[key] = [seq, [], int(tok), int(p), int(p), []]
                 if not active:
                     return
                 keys = list(active)
@@ -663,6 +699,16 @@ class LlamaCppLM(CacheSync):
                 self.forward_passes += 1
                 logits = self._rows(L.llama_get_logits_ith, range(len(keys)), self._n_vocab)
                 self._chunks = {}
+                if trace_top:
+                    hidden = self._rows(L.llama_get_embeddings_ith, range(len(keys)), self._d)
+                    x = torch.from_numpy(logits)
+                    logp = torch.log_softmax(x, dim=-1)
+                    ent = -(logp.exp() * logp).sum(-1)
+                    top = torch.topk(x, trace_top, dim=-1)
+                    lse = torch.logsumexp(x, dim=-1).numpy()
+                    for row, k in enumerate(keys):
+                        active[k][5].append((active[k][2], hidden[row], float(lse[row]), float(ent[row]),
+                                             top.indices[row].numpy(), top.values[row].numpy()))
                 done = []
                 for row, k in enumerate(keys):
                     st = active[k]
@@ -676,14 +722,42 @@ class LlamaCppLM(CacheSync):
                         continue
                     st[2], st[3] = t, st[3] + 1
                 for k in done:
-                    seq, cont = active.pop(k)[:2]
-                    L.llama_memory_seq_rm(self._mem, seq, -1, -1)
-                    free.append(seq)
-                    yield k, cont
+                    seq, cont, _, _, p, rows = active.pop(k)
+                    try:
+                        if not trace_top:
+                            yield k, cont
+                        else:
+                            trace = BranchTrace(
+                                seq=seq, p=p, fed=[r[0] for r in rows], hidden=np.stack([r[1] for r in rows]),
+                                logsumexp=np.array([r[2] for r in rows], dtype=np.float32),
+                                entropy=np.array([r[3] for r in rows], dtype=np.float32),
+                                top_ids=np.stack([r[4] for r in rows]), top_logits=np.stack([r[5] for r in rows]))
+                            yield k, cont, trace
+                            trace.alive = False
+                    finally:
+                        L.llama_memory_seq_rm(self._mem, seq, -1, -1)
+                        free.append(seq)
         finally:
             self._chunks = {}
             for st in active.values():
                 L.llama_memory_seq_rm(self._mem, st[0], -1, -1)
+
+    def adopt(self, session: int, trace: BranchTrace) -> None:
+        """Make a branch of ``branch_pool(trace_top=...)`` the text of ``session``: the session
+        keeps its first ``trace.p`` tokens and takes the branch's cells after them (no decode), as
+        if it had been fed ``trace.fed``. Only while the pool still holds the branch (before the
+        consumer asks for the pool's next item)."""
+        if not trace.alive:
+            raise RuntimeError("adopt(): the branch's cells are gone (adopt it before asking the pool for its next item)")
+        if not 0 <= session < self.n_sessions:
+            raise ValueError(f"session {session} outside [0, {self.n_sessions - 1}] (n_sessions {self.n_sessions})")
+        if trace.p > len(self._cached[session]):
+            raise ValueError(f"branch point {trace.p} is past session {session}'s {len(self._cached[session])} tokens")
+        L = self._L
+        if not L.llama_memory_seq_rm(self._mem, session, trace.p, -1):
+            raise RuntimeError(f"llama_memory_seq_rm({session}, {trace.p}, -1) failed")
+        L.llama_memory_seq_cp(self._mem, trace.seq, session, trace.p, -1)
+        self._cached[session] = self._cached[session][:trace.p] + list(trace.fed)
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:

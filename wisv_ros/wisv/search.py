@@ -47,11 +47,13 @@ import torch
 from wisv_ros.eval.datasets import Problem, build_prompt, read_jsonl
 from wisv_ros.eval.scoring import roc_auc
 from wisv_ros.sd.drafting import encode_prompt
-from wisv_ros.wisv.traces import TraceWriter, answer_complete, final_answer, mismatch_features, same_number
+from wisv_ros.wisv.traces import (TraceWriter, answer_complete, branch_features, final_answer, mismatch_features,
+                                  same_number)
 
 __all__ = ["SEARCH", "head_on_labels", "oracle_summary", "search_labels", "sd_rounds"]
 
 SEARCH = "autojudge"
+TRACE_TOP = 64  # logits of each branch row kept for the features of a later mismatch (BranchTrace)
 
 
 def sd_rounds(path: Sequence[int], draft_argmax: Sequence[int], k: int, rejected: set[int] | None = None) -> int:
@@ -92,23 +94,60 @@ def _feed_path(lm, session: int, prompt: list[int], path: list[int]) -> tuple[in
     return first + skip, step.logits[skip:], step.hidden[skip:].numpy()
 
 
-def _refresh(target, drafter, a: "_Answer") -> None:
-    """Bring both models' views of ``a.path`` up to date (after the path changed)."""
+def _refresh(target, drafter, a: "_Answer", branch: tuple[int, object] | None = None) -> bool:
+    """Bring both models' views of ``a.path`` up to date (after the path changed).
+
+    ``branch`` = (j, BranchTrace): the path just became ``path[:j] + [draft token] + the branch's
+    continuation`` and the target decoded that branch (``branch_pool(trace_top=...)``). The target
+    then takes the branch's cells (``adopt``), hidden states and logit summaries instead of a second
+    pass over the same tokens; it feeds only the continuation's last token. Where a mismatch's
+    draft token is not among a branch row's kept logits, the target is fed again from j (as without
+    ``branch``). Returns whether the branch was used."""
+    used = False
+    if branch is not None:
+        j, trace = branch
+        target.adopt(a.session, trace)
+        used = True
     f_d, logits_d, hid_d = _feed_path(drafter, a.session, a.prompt, a.path)
     f_t, logits_t, hid_t = _feed_path(target, a.session, a.prompt, a.path)
-    if f_t != f_d:  # both sessions hold the same prompt + path history
+    if used and not (f_d == j + 1 and j + 1 <= f_t <= j + 1 + len(trace.fed)):
+        used = False  # the caches are not where a kept swap at j leaves them: feed the target again
+    if used:
+        n_tr = f_t - j - 1  # path indices j+1 .. f_t-1 come from the branch rows 0 .. n_tr-1
+        d_arg = logits_d.argmax(-1).tolist()
+        feats = {}
+        for q in range(f_d, len(a.path)):
+            if d_arg[q - f_d] != a.path[q]:
+                f = (branch_features(trace, q - j - 1, d_arg[q - f_d]) if q < f_t
+                     else mismatch_features(logits_t[q - f_t], d_arg[q - f_d]))
+                if f is None:
+                    used = False
+                    break
+                feats[q] = f
+    if not used and branch is not None:
+        target.use(a.session)
+        target.rollback(min(len(target.cached), len(a.prompt) + f_d - 1))
+        f_t, logits_t, hid_t = _feed_path(target, a.session, a.prompt, a.path)
+    if f_t != f_d and not used:  # both sessions hold the same prompt + path history
         raise RuntimeError(f"target and drafter caches disagree on {a.problem.id} (rows from {f_t} and {f_d})")
-    for side, hid in ((a.t, hid_t), (a.d, hid_d)):
-        del side.hidden[f_t:]
+    if used:
+        del a.t.hidden[j + 1:]
+        a.t.hidden.extend(trace.hidden[i] for i in range(n_tr))
+    for side, hid, first in ((a.t, hid_t, f_t), (a.d, hid_d, f_d)):
+        del side.hidden[first:]
         side.hidden.extend(hid[i] for i in range(len(hid)))
-    del a.d.argmax[f_t:]
+    del a.d.argmax[f_d:]
     a.d.argmax.extend(logits_d.argmax(-1).tolist())
-    for j in [j for j in a.t.feats if j >= f_t]:
-        del a.t.feats[j]
-    for j in range(f_t, len(a.path)):
-        if a.d.argmax[j] != a.path[j]:
-            a.t.feats[j] = mismatch_features(logits_t[j - f_t], a.d.argmax[j])
+    for q in [q for q in a.t.feats if q >= f_d]:
+        del a.t.feats[q]
+    if used:
+        a.t.feats.update(feats)
+    else:
+        for q in range(f_t, len(a.path)):
+            if a.d.argmax[q] != a.path[q]:
+                a.t.feats[q] = mismatch_features(logits_t[q - f_t], a.d.argmax[q])
     assert len(a.t.hidden) == len(a.d.hidden) == len(a.d.argmax) == len(a.path) + 1
+    return used
 
 
 @dataclasses.dataclass
@@ -173,7 +212,8 @@ def search_labels(
     2 * slots``). ``max_path`` caps a searched path (default 2 * max_new_tokens): the search of an
     answer stops there.
 
-    Returns {"problems", "labelled", "critical", "kept", "seconds", "labels_per_hour", "new_tokens"}.
+    Returns {"problems", "labelled", "critical", "kept", "adopted" (kept swaps whose target pass came from
+    the branch, ``_refresh``), "seconds", "labels_per_hour", "new_tokens"}.
     """
     if not hasattr(target, "branch_pool") or not hasattr(drafter, "use"):
         raise ValueError("the search runs on llama.cpp: pass --target-backend llama_cpp --drafter-backend llama_cpp")
@@ -203,7 +243,7 @@ def search_labels(
     free_sessions = list(range(slots - 1, -1, -1))
     running: dict[str, _Answer] = {}
     queue = list(reversed(todo))
-    stats = {"problems": 0, "labelled": 0, "critical": 0, "kept": 0, "new_tokens": 0}
+    stats = {"problems": 0, "labelled": 0, "critical": 0, "kept": 0, "adopted": 0, "new_tokens": 0}
     t0 = time.perf_counter()
     bar = progress(total=len(todo)) if progress else None
 
@@ -295,9 +335,11 @@ def search_labels(
         _refresh(target, drafter, a)
         a.greedy_rounds = sd_rounds(a.path, a.d.argmax, k)
 
-    def resolve(a: _Answer, cont: list[int] | None, answer: str | None, new_tokens: int, save: bool = True) -> None:
+    def resolve(a: _Answer, cont: list[int] | None, answer: str | None, new_tokens: int, save: bool = True,
+                trace=None) -> None:
         """The label of the running branch from its final ``answer``; ``cont`` (its tokens) is
-        needed where the swap is kept."""
+        needed where the swap is kept, ``trace`` (its BranchTrace) spares the target a second pass
+        over it then."""
         j, d = a.waiting
         a.waiting = None
         label = int(not same_number(answer, a.a0))
@@ -323,24 +365,25 @@ def search_labels(
             if save:
                 stats["kept"] += 1
             a.path = a.path[:j] + [d] + list(cont)
-            _refresh(target, drafter, a)
+            if _refresh(target, drafter, a, None if trace is None else (j, trace)):
+                stats["adopted"] += 1
             a.q = j + 1
 
-    def on_result(a: _Answer, cont: list[int]) -> None:
+    def on_result(a: _Answer, cont: list[int], trace) -> None:
         if a.a0_ids is None:  # the target's own answer
             own_answer(a, cont)
             return
         j, d = a.waiting
         text = tok.decode(a.path[:j] + [d] + cont, skip_special_tokens=True)
-        resolve(a, cont, final_answer(text, len(cont), max_new_tokens), len(cont))
+        resolve(a, cont, final_answer(text, len(cont), max_new_tokens), len(cont), trace=trace)
 
     def stop(_key, cont: list[int]) -> bool:
         return answer_complete(tok.decode(cont[-48:], skip_special_tokens=True))
 
-    pool = target.branch_pool(next_branch, max_new_tokens, stop, slots)
+    pool = target.branch_pool(next_branch, max_new_tokens, stop, slots, trace_top=TRACE_TOP)
     try:
-        for key, cont in pool:
-            on_result(running[key], cont)
+        for key, cont, trace in pool:
+            on_result(running[key], cont, trace)
             if limit is not None and stats["labelled"] >= limit:
                 break  # the answers under way resume from partial.jsonl
     finally:

@@ -49,7 +49,8 @@ from wisv_ros.sd.verification import Verdict, Verifier
 from wisv_ros.sd.rounds import generate
 from wisv_ros.sd.lm import CausalLM
 
-__all__ = ["LABEL_KINDS", "TraceWriter", "answer_complete", "answer_outcomes", "bench_labelling", "collect_traces",
+__all__ = ["LABEL_KINDS", "TraceWriter", "answer_complete", "answer_outcomes", "bench_labelling", "branch_features",
+           "collect_traces",
            "final_answer", "fly_points", "label_mismatches", "load_traces", "mismatch_features", "reference_answers",
            "same_number", "target_features",
            "task_labels"]
@@ -168,6 +169,21 @@ def mismatch_features(logits_row: torch.Tensor, draft_id: int) -> dict:
     top = torch.topk(row, FLY_TOP_K).values
     return {"p_draft": round(float(row[int(draft_id)]), 6), "p_target": round(float(top[0]), 6),
             "entropy": round(ent, 5), "topk": [round(float(v), 6) for v in top]}
+
+
+def branch_features(trace, row: int, draft_id: int) -> dict | None:
+    """``mismatch_features`` from a ``BranchTrace`` row (the summary ``branch_pool(trace_top=n)``
+    kept of the logits there) instead of the logits themselves; None when the draft token is not
+    among the row's n largest (its probability is then unknown)."""
+    ids = trace.top_ids[row]
+    hit = np.flatnonzero(ids == int(draft_id))
+    if not hit.size or trace.top_ids.shape[1] < FLY_TOP_K:
+        return None
+    lse = float(trace.logsumexp[row])
+    top = np.exp(trace.top_logits[row, :FLY_TOP_K].astype(np.float64) - lse)
+    return {"p_draft": round(float(np.exp(float(trace.top_logits[row, hit[0]]) - lse)), 6),
+            "p_target": round(float(top[0]), 6), "entropy": round(float(trace.entropy[row]), 5),
+            "topk": [round(float(v), 6) for v in top]}
 
 
 def final_answer(text: str, new_tokens: int, budget: int) -> str | None:
