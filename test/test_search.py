@@ -19,7 +19,7 @@ from wisv_ros.eval.datasets import build_prompt, extract_final_number, generate_
 from wisv_ros.sd.drafting import encode_prompt
 from wisv_ros.sd.llama_cpp_lm import LlamaCppLM
 from wisv_ros.wisv.search import oracle_summary, sd_rounds, search_labels
-from wisv_ros.wisv.traces import answer_complete, label_mismatches, load_traces, same_number
+from wisv_ros.wisv.traces import answer_complete, fly_points, label_mismatches, load_traces, same_number
 
 MODEL = "qwen2.5-coder-0.5b-instruct"
 EVERY, AT = 23, 11
@@ -222,6 +222,11 @@ def test_search_folder_trains_resumes_and_refuses_relabelling(searched, capsys):
     assert summary["answers"] == len(answered) and summary["kept"] == stats["kept"]
     assert summary["oracle_rounds"] == sum(p["search_rounds"] for p in answered)
     assert summary["oracle_aal"] == round(sum(len(p["path_ids"]) for p in answered) / summary["oracle_rounds"], 3)
+    lo, hi = (float(v) for v in summary["aal_gain_ci"].strip("[]").split(","))
+    assert lo - 1e-3 <= summary["aal_gain"] <= hi + 1e-3
+    assert oracle_summary([out, out]) == summary  # one answer counted once, however often its folder is named
+    with pytest.raises(ValueError, match="agree_after"):  # the search records no FLy window
+        fly_points(tr)
     from wisv_ros.cli.train_head import episodes_from_traces
 
     episodes, ids, meta, outcomes = episodes_from_traces([out], label="harmful")
@@ -243,5 +248,9 @@ def test_head_on_labels_judges_every_labelled_mismatch():
     acc = [r["accepted"] for r in rep["taus"]]
     assert acc[0] == 0.0 and acc[-1] == 1.0 and acc == sorted(acc)
     assert rep["auc_harmful"] > 0.5 and rep["auc_critical"] > 0.5
+    # At an equal share accepted, a head that ranks above chance lets fewer harmful ones through.
+    assert [r["share"] for r in rep["shares"]] == [0.2, 0.35, 0.5]
+    harmful = [r["harmful_accepted"] for r in rep["shares"]]
+    assert harmful == sorted(harmful) and harmful[-1] < 0.5
     with pytest.raises(ValueError, match="no labelled"):
         head_on_labels(folder.parents[2] / "config" / "heads" / "qwen.onnx", [], "20mbps_50ms")

@@ -92,7 +92,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"all: labelled {sum(int((tr.labels >= 0).sum()) for tr in trs)}  critical "
                   f"{sum(int((tr.labels == 1).sum()) for tr in trs)}")
         if args.fly and any((tr.labels >= 0).any() for tr in trs):
-            rows = fly_points(trs)
+            try:
+                rows = fly_points(trs)
+            except ValueError as e:
+                p.error(f"summary --fly: {e}")
             print("\nFLy-style rule on the labelled mismatches (share accepted / of critical ones / of answers with a "
                   "critical one accepted" + ("; estimated right answers lost / gained per answer, net per 100" if
                                               "net_lost_per_100" in rows[0] else "") + "):")
@@ -117,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         if not searched and not args.head:
             p.error("oracle: none of --out was made by traces search (pass --head to judge labels of other folders)")
         if searched:
-            print(format_table([dict(folder=folder, **oracle_summary(Path(folder))) for folder in searched]))
+            rows = [dict(folder=folder, **oracle_summary(Path(folder))) for folder in searched]
+            if len(searched) > 1:
+                rows.append(dict(folder="all", **oracle_summary([Path(f) for f in searched])))
+            print(format_table(rows))
         if args.head:
             from wisv_ros.wisv.search import head_on_labels
 
@@ -125,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n{args.head} at {args.channel}: {rep['mismatches']} mismatches ({rep['critical']} critical, "
                   f"{rep['harmful']} harmful); AUC {rep['auc_critical']} against critical, {rep['auc_harmful']} against harmful labels")
             print(format_table(rep["taus"]))
+            print("\nat an equal share of mismatches accepted (the head's least rejected):")
+            print(format_table(rep["shares"]))
         return 0
     check_args(args)
     set_threads(args.threads)

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from wisv_ros.eval.datasets import Problem, build_prompt, read_jsonl
+from wisv_ros.eval.latency import bootstrap_ci
 from wisv_ros.eval.scoring import roc_auc
 from wisv_ros.sd.drafting import encode_prompt
 from wisv_ros.wisv.traces import (TraceWriter, answer_complete, branch_features, final_answer, mismatch_features,
@@ -398,21 +399,34 @@ def search_labels(
     return stats
 
 
-def oracle_summary(folder: Path) -> dict:
-    """Greedy SD against the search's oracle path over a searched folder's answers: tokens, rounds
-    and AAL (tokens per round) of each, and the AAL gain of accepting every mismatch the search kept."""
-    rows = [p for p in read_jsonl(Path(folder) / "problems.jsonl") if p.get("search") == SEARCH and p.get("answer") is not None]
-    by_id = {p["id"]: p for p in rows}  # a problem searched twice: the last line wins
+def oracle_summary(folders: Path | str | Sequence[Path | str], n_boot: int = 2000, seed: int = 0) -> dict:
+    """Greedy SD against the search's oracle path over the answers of one or more searched folders:
+    tokens, rounds and AAL (tokens per round) of each, the AAL gain of accepting every mismatch the
+    search kept, and its 95 % bootstrap interval over answers (``aal_gain_ci``, ``n_boot`` resamples)."""
+    if isinstance(folders, (str, Path)):
+        folders = [folders]
+    by_id = {}
+    for folder in folders:  # a problem searched twice: the last line wins
+        by_id.update((p["id"], p) for p in read_jsonl(Path(folder) / "problems.jsonl")
+                     if p.get("search") == SEARCH and p.get("answer") is not None)
     rows = list(by_id.values())
+
+    def gain(rs: list[dict]) -> float:
+        g = sum(len(p["generated_ids"]) for p in rs) / max(1, sum(p["rounds"] for p in rs))
+        o = sum(len(p["path_ids"]) for p in rs) / max(1, sum(p["search_rounds"] for p in rs))
+        return o / g - 1 if g else 0.0
+
     g_tok = sum(len(p["generated_ids"]) for p in rows)
     g_rounds = sum(p["rounds"] for p in rows)
     o_tok = sum(len(p["path_ids"]) for p in rows)
     o_rounds = sum(p["search_rounds"] for p in rows)
     g_aal = g_tok / g_rounds if g_rounds else 0.0
     o_aal = o_tok / o_rounds if o_rounds else 0.0
+    ci = bootstrap_ci(rows, gain, n=n_boot, seed=seed) if rows else (0.0, 0.0)
     return {"answers": len(rows), "greedy_tokens": g_tok, "greedy_rounds": g_rounds, "greedy_aal": round(g_aal, 3),
             "oracle_tokens": o_tok, "oracle_rounds": o_rounds, "oracle_aal": round(o_aal, 3),
-            "aal_gain": round(o_aal / g_aal - 1, 4) if g_aal else 0.0,
+            "aal_gain": round(gain(rows), 4) if rows else 0.0,
+            "aal_gain_ci": f"[{ci[0]:+.3f}, {ci[1]:+.3f}]",
             "rounds_change": round(o_rounds / g_rounds - 1, 4) if g_rounds else 0.0,
             "kept": sum(len(p["kept"]) for p in rows)}
 
@@ -423,12 +437,14 @@ def _auc(scores: np.ndarray, labels: np.ndarray) -> float | None:
 
 
 def head_on_labels(head_path: Path, folders: Sequence[Path], channel: str,
-                   taus: Sequence[float] = (0.01, 0.02, 0.03, 0.05)) -> dict:
+                   taus: Sequence[float] = (0.01, 0.02, 0.03, 0.05),
+                   shares: Sequence[float] = (0.2, 0.35, 0.5)) -> dict:
     """A decision head's rejection probabilities on the labelled mismatches of ``folders`` (searched
     or not), the channel fixed to the scenario ``channel``: AUC against critical and harmful labels,
     and per τ the share of mismatches it accepts (probability < τ), of critical ones, of harmful
-    ones. On searched folders of problems the head never trained on, this is how it judges the
-    mismatches on the path accepted tokens take."""
+    ones; and per share of mismatches accepted (the ones it is least inclined to reject), the shares
+    of critical and harmful ones among them (``shares``). On searched folders of problems the head
+    never trained on, this is how it judges the mismatches on the path accepted tokens take."""
     from wisv_ros.link.channel import scenario
     from wisv_ros.wisv.head import OnnxHead
     from wisv_ros.wisv.traces import load_traces, reference_answers, task_labels
@@ -454,5 +470,14 @@ def head_on_labels(head_path: Path, folders: Sequence[Path], channel: str,
         rows.append({"tau": tau, "accepted": round(float(acc.mean()), 4),
                      "critical_accepted": round(float(acc[y_c].mean()), 4) if y_c.any() else None,
                      "harmful_accepted": round(float(acc[y_h].mean()), 4) if y_h.any() else None})
+    # Heads are calibrated differently: compare them where they accept the same share of mismatches.
+    at_share = []
+    for share in shares:
+        n = int(round(share * len(p)))
+        acc = np.zeros(len(p), dtype=bool)
+        acc[np.argsort(p, kind="stable")[:n]] = True  # the n least likely to be rejected
+        at_share.append({"share": share, "tau": round(float(p[acc].max()), 4) if n else 0.0,
+                         "critical_accepted": round(float(acc[y_c].mean()), 4) if y_c.any() else None,
+                         "harmful_accepted": round(float(acc[y_h].mean()), 4) if y_h.any() else None})
     return {"mismatches": len(p), "critical": int(y_c.sum()), "harmful": int(y_h.sum()),
-            "auc_critical": _auc(p, y_c), "auc_harmful": _auc(p, y_h), "taus": rows}
+            "auc_critical": _auc(p, y_c), "auc_harmful": _auc(p, y_h), "taus": rows, "shares": at_share}

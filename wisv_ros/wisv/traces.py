@@ -630,7 +630,10 @@ def fly_points(traces: Traces | Sequence[Traces], entropies: Sequence[float] = F
             s_right += [bool(sub[i]) for i in rows_ok]
         except ValueError:
             outcomes = False
-    if recs and "topk" not in recs[0]:
+    if not recs:
+        raise ValueError("no labelled mismatch with FLy's window (agree_after) in these traces: searched folders "
+                         "(traces search) do not record it; pass first-mismatch trace folders")
+    if "topk" not in recs[0]:
         raise ValueError("these traces have no target features (topk, agree_after): collect them again")
     y, pids = np.array(y, dtype=bool), np.array(pids)
     t_right, s_right = np.array(t_right, dtype=bool), np.array(s_right, dtype=bool)
