@@ -194,6 +194,19 @@ def test_a_stopped_search_resumes_where_it_stopped(searched):
         lab = by_uid[f"{ev['problem_id']}:{ev['n']}"]
         assert (lab["answer"], lab["new_tokens"]) == (ev["answer"], ev["new_tokens"])
         assert (lab["label"] == 0) == (ev["cont"] is not None)
+    # The replay fed the target once, at its end: each replayed record still has the target's view
+    # of its mismatch on the text it was judged on (the final path up to it).
+    tr = load_traces(out)
+    assert any(ev["cont"] is not None for ev in events)  # a kept swap among them: its text changed the path
+    for ev in events:
+        i = next(i for i, r in enumerate(tr.records) if r["problem_id"] == ev["problem_id"] and r["round_id"] == ev["n"])
+        r, p = tr.records[i], tr.problems[ev["problem_id"]]
+        assert (r["position"], r["draft_id"]) == (ev["j"], ev["d"])
+        target.reset()
+        step = target.feed(p["prompt_ids"] + p["path_ids"][:r["position"]], n_logits=1)
+        assert abs(float(torch.softmax(step.logits[-1], -1)[r["draft_id"]]) - r["p_draft"]) < 0.02
+        h = step.hidden[-1].numpy()
+        assert float(h @ tr.h_target[i] / np.linalg.norm(h) / np.linalg.norm(tr.h_target[i])) > 0.999
     # The finished answers' lines are dropped from partial.jsonl when the next run starts.
     search_labels(drafter, target, problems, out, k=8, max_new_tokens=200, slots=2, source="gsm_symbolic, seed 7")
     assert (out / "partial.jsonl").read_text() == ""

@@ -95,7 +95,8 @@ def _feed_path(lm, session: int, prompt: list[int], path: list[int]) -> tuple[in
     return first + skip, step.logits[skip:], step.hidden[skip:].numpy()
 
 
-def _refresh(target, drafter, a: "_Answer", branch: tuple[int, object] | None = None) -> bool:
+def _refresh(target, drafter, a: "_Answer", branch: tuple[int, object] | None = None,
+             drafter_only: bool = False) -> bool:
     """Bring both models' views of ``a.path`` up to date (after the path changed).
 
     ``branch`` = (j, BranchTrace): the path just became ``path[:j] + [draft token] + the branch's
@@ -103,7 +104,17 @@ def _refresh(target, drafter, a: "_Answer", branch: tuple[int, object] | None = 
     then takes the branch's cells (``adopt``), hidden states and logit summaries instead of a second
     pass over the same tokens; it feeds only the continuation's last token. Where a mismatch's
     draft token is not among a branch row's kept logits, the target is fed again from j (as without
-    ``branch``). Returns whether the branch was used."""
+    ``branch``). Returns whether the branch was used.
+
+    ``drafter_only``: the drafter's view only (what a replayed walk needs to find its mismatches);
+    the target catches up once the replay ends (``_catch_up``)."""
+    if drafter_only:
+        f_d, logits_d, hid_d = _feed_path(drafter, a.session, a.prompt, a.path)
+        del a.d.hidden[f_d:]
+        a.d.hidden.extend(hid_d[i] for i in range(len(hid_d)))
+        del a.d.argmax[f_d:]
+        a.d.argmax.extend(logits_d.argmax(-1).tolist())
+        return False
     used = False
     if branch is not None:
         j, trace = branch
@@ -151,6 +162,35 @@ def _refresh(target, drafter, a: "_Answer", branch: tuple[int, object] | None = 
     return used
 
 
+def _catch_up(target, a: "_Answer") -> None:
+    """After a replay: one target pass over the answer's final path gives its view of the path and
+    the features of every replayed record (``a.stale``). A kept swap changes only what follows its
+    mismatch, so the final path holds the text each replayed mismatch was judged on up to it."""
+    f_t, logits_t, hid_t = _feed_path(target, a.session, a.prompt, a.path)
+    del a.t.hidden[f_t:]
+    a.t.hidden.extend(hid_t[i] for i in range(len(hid_t)))
+    for q in [q for q in a.t.feats if q >= f_t]:
+        del a.t.feats[q]
+    for q in range(f_t, len(a.path)):
+        if a.d.argmax[q] != a.path[q]:
+            a.t.feats[q] = mismatch_features(logits_t[q - f_t], a.d.argmax[q])
+    for rid, j, d in a.stale:
+        if j < f_t:
+            raise RuntimeError(f"{a.problem.id}: the target's cache starts past replayed mismatch {j} (row {f_t})")
+        rec = a.records[rid]
+        feats = mismatch_features(logits_t[j - f_t], d)
+        a.records[rid] = _record(rec["round_id"], j, rec["block_index"], d, rec["target_id"], feats, rec["left"], rec["kept"])
+        a.ht[rid] = a.t.hidden[j]
+    a.stale.clear()
+    assert len(a.t.hidden) == len(a.d.hidden) == len(a.path) + 1
+
+
+def _record(rid: int, j: int, block_index: int, d: int, target_id: int, feats: dict, left: int, kept: bool) -> dict:
+    """One mismatches.jsonl line of the search (no FLy window: ``agree_after`` None)."""
+    return {"round_id": rid, "position": j, "block_index": block_index, "draft_id": d, "target_id": target_id,
+            **feats, "agree_after": None, "left": left, "kept": kept}
+
+
 @dataclasses.dataclass
 class _Answer:
     problem: Problem
@@ -171,6 +211,7 @@ class _Answer:
     ht: list[np.ndarray] = dataclasses.field(default_factory=list)
     labels: list[dict] = dataclasses.field(default_factory=list)
     waiting: tuple[int, int] | None = None  # (path index, draft token) of the running branch
+    stale: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # replayed (record, j, d): no target features yet
     done: bool = False
 
 
@@ -249,6 +290,8 @@ def search_labels(
     bar = progress(total=len(todo)) if progress else None
 
     def finish(a: _Answer) -> None:
+        if a.stale:  # replayed to its end: the target's features of the replayed records
+            _catch_up(target, a)
         # Labels first, then the problem line (add_problem): a crash in between leaves a problem
         # that is searched again, and its labels' second copy wins on load.
         with (writer.folder / "labels.jsonl").open("a") as f:
@@ -306,6 +349,8 @@ def search_labels(
                         break  # the walk parts from the saved one (a near-tie): decode from here
                     resolve(a, ev.get("cont"), ev["answer"], ev["new_tokens"], save=False)
                     job = None
+                if not a.done:  # decoding goes on from here: the target catches up with the path first
+                    _catch_up(target, a)
                 if job is None and not a.done:
                     job = advance(a)
                 if job is not None:
@@ -333,7 +378,7 @@ def search_labels(
         if a.a0 is None:  # no final number: nothing to compare labels with
             finish(a)
             return
-        _refresh(target, drafter, a)
+        _refresh(target, drafter, a, drafter_only=not save)  # a replay: the target catches up at its end
         a.greedy_rounds = sd_rounds(a.path, a.d.argmax, k)
 
     def resolve(a: _Answer, cont: list[int] | None, answer: str | None, new_tokens: int, save: bool = True,
@@ -348,11 +393,12 @@ def search_labels(
         if save:
             save_partial({"problem_id": a.problem.id, "n": rid, "j": j, "d": d, "answer": answer,
                           "new_tokens": new_tokens, "cont": None if label else cont})
-        a.records.append({"round_id": rid, "position": j, "block_index": j - a.r, "draft_id": d,
-                          "target_id": int(a.path[j]), **a.t.feats[j], "agree_after": None, "left": k - (j - a.r) - 1,
-                          "kept": not label})
+        a.records.append(_record(rid, j, j - a.r, d, int(a.path[j]), {} if not save else a.t.feats[j],
+                                 k - (j - a.r) - 1, not label))
         a.hd.append(a.d.hidden[j])
-        a.ht.append(a.t.hidden[j])
+        a.ht.append(None if not save else a.t.hidden[j])
+        if not save:  # a replay: the target's features come with _catch_up
+            a.stale.append((rid, j, d))
         a.labels.append({"uid": f"{a.problem.id}:{rid}", "label": label, "answer": answer, "new_tokens": new_tokens})
         if save:
             stats["labelled"] += 1
@@ -366,7 +412,7 @@ def search_labels(
             if save:
                 stats["kept"] += 1
             a.path = a.path[:j] + [d] + list(cont)
-            if _refresh(target, drafter, a, None if trace is None else (j, trace)):
+            if _refresh(target, drafter, a, None if trace is None else (j, trace), drafter_only=not save):
                 stats["adopted"] += 1
             a.q = j + 1
 
