@@ -9,9 +9,9 @@
 #   (token-wise, docs/evaluation.md), two at a time, in the order of docs/wisv.md. report:
 #   docs/results/wisv/ and its data (tools/wisv_results.sh).
 # search (not in the default): labels along the path accepted tokens take (AutoJudge's search,
-#   docs/wisv.md) into WISV_SEARCH_FOLDERS (default data/traces/qwen_aj_s4 and _s5, gsm_symbolic seeds 4 and
-#   5), one process per folder, WISV_SEARCH_PROBLEMS problems each (default 300), then the oracle and the
-#   shipped head on those labels.
+#   docs/wisv.md) into WISV_SEARCH_FOLDERS (default data/traces/qwen_aj_s6 and _s7, gsm_symbolic seeds 6 and
+#   7, whose answers under way it replays from partial.jsonl), one process per folder, WISV_SEARCH_PROBLEMS
+#   problems each (default 300), then the oracle and the shipped head on every searched folder's labels.
 # Environment: WISV_FOLDERS, WISV_PROBLEMS (problems to trace into the last folder, default 60),
 # WISV_JOBS (processes side by side, one thread each, default 2), WISV_ROUND_S (compute time of one round
 # the CSI relabeling prices a repair against, default 0.1 s: a robot-class drafter and a GPU edge).
@@ -61,7 +61,7 @@ for stage in "${stages[@]}"; do
               for pid in "${pids[@]}"; do wait "$pid"; done
             done
             python -m wisv_ros.cli.traces summary "${TRACES[@]/--traces/--out}" --fly ;;
-    search) read -r -a SEARCH <<<"${WISV_SEARCH_FOLDERS:-data/traces/qwen_aj_s4 data/traces/qwen_aj_s5}"
+    search) read -r -a SEARCH <<<"${WISV_SEARCH_FOLDERS:-data/traces/qwen_aj_s6 data/traces/qwen_aj_s7}"
             pids=()
             for folder in "${SEARCH[@]}"; do
               python -m wisv_ros.cli.traces search --out "$folder" --problems "${WISV_SEARCH_PROBLEMS:-300}" \
@@ -69,7 +69,8 @@ for stage in "${stages[@]}"; do
                 --target-backend llama_cpp --drafter-backend llama_cpp & pids+=($!)
             done
             for pid in "${pids[@]}"; do wait "$pid"; done
-            python -m wisv_ros.cli.traces oracle "${SEARCH[@]/#/--out=}" --head "$HEADS/qwen.onnx" ;;
+            ALL=(data/traces/qwen_aj_s*)
+            python -m wisv_ros.cli.traces oracle "${ALL[@]/#/--out=}" --head "$HEADS/qwen.onnx" ;;
     train)  # The shipped heads' commands (their sidecars record them): labels that say whether a right answer
             # turns wrong, four channel draws per answer, grouped 5-fold cross-validation and tau per channel.
             H=(--label harmful --hidden 64 --dropout 0.5 --lr 3e-4 --weight-decay 1e-2 --round-compute-s "$ROUND_S"
