@@ -91,6 +91,7 @@ for stage in "${stages[@]}"; do
               echo "$W --head $HEADS/qwen_no_csi.onnx --tau-per-channel $(schedule $HEADS/qwen_no_csi.onnx) --channel 20mbps_50ms"
               echo "$TW --method fly --k 32 --fly-entropy 0.6 --fly-window 1"
               echo "$W --head $HEADS/qwen.onnx --tau 0.02 --channel 20mbps_50ms"
+              echo "$W --head $HEADS/qwen_no_csi.onnx --tau 0.01 --channel 20mbps_50ms"  # the CSI head's tau, no CSI
               echo "$W --head $HEADS/qwen.onnx --tau 0.05 --channel 500mbps_5ms"
               for ch in 500mbps_50ms 500mbps_5ms 20mbps_5ms; do echo "$CSI --channel $ch"; done
               for ch in 500mbps_50ms 20mbps_5ms; do echo "$W --head $HEADS/qwen.onnx --tau 0.05 --channel $ch"; done
