@@ -98,7 +98,7 @@ def searched(tmp_path_factory):
                           limit=3)
     saved = (out / "partial.jsonl").read_text()
     rest = search_labels(drafter, target, problems, out, k=8, max_new_tokens=200, slots=2, source="gsm_symbolic, seed 7")
-    stats = {key: first[key] + rest[key] for key in ("problems", "labelled", "critical", "kept", "adopted")}
+    stats = {key: first[key] + rest[key] for key in ("problems", "labelled", "critical", "kept", "adopted", "replayed")}
     yield out, target, drafter, problems, dict(stats, first=first, saved=saved)
     target.close()
     drafter.lm.close()
@@ -182,6 +182,7 @@ def test_a_stopped_search_resumes_where_it_stopped(searched):
     from partial.jsonl: every label decoded once, the saved ones kept as they were."""
     out, target, drafter, problems, stats = searched
     assert stats["first"]["labelled"] == 3 and stats["first"]["problems"] == 1  # the answer cut off at 200 tokens
+    assert stats["first"]["replayed"] == 0 and stats["replayed"] == 1  # the second run replayed the answer under way
     saved = [json.loads(x) for x in stats["saved"].splitlines()]
     assert sum(1 for x in saved if x["n"] == -1) == 2  # both answers' own text
     events = [x for x in saved if x["n"] >= 0]

@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                             progress=lambda total: tqdm(total=total, desc="search", unit="answer", file=sys.stderr),
                             source=f"gsm_symbolic, seed {args.seed}", limit=args.limit)
         print(f"{res['problems']} answers searched: {res['labelled']} labels ({res['critical']} critical, {res['kept']} "
-              f"swaps kept) in {res['seconds']} s: {res['labels_per_hour']} labels/hour")
+              f"swaps kept) in {res['seconds']} s: {res['labels_per_hour']} labels/hour; {res['replayed']} answers under "
+              f"way replayed from partial.jsonl in {res['replay_seconds']} s")
         return 0
     if args.cmd == "collect":
         if args.problems < 1:

@@ -285,7 +285,8 @@ def search_labels(
     free_sessions = list(range(slots - 1, -1, -1))
     running: dict[str, _Answer] = {}
     queue = list(reversed(todo))
-    stats = {"problems": 0, "labelled": 0, "critical": 0, "kept": 0, "adopted": 0, "new_tokens": 0}
+    stats = {"problems": 0, "labelled": 0, "critical": 0, "kept": 0, "adopted": 0, "new_tokens": 0,
+             "replayed": 0, "replay_seconds": 0.0}
     t0 = time.perf_counter()
     bar = progress(total=len(todo)) if progress else None
 
@@ -340,6 +341,7 @@ def search_labels(
             prompt = encode_prompt(tok, build_prompt(p, tokenizer_has_chat_template=chat))
             a = running[p.id] = _Answer(problem=p, session=s, prompt=prompt)
             if p.id in partial:  # under way in an earlier run: replay what it decoded
+                t_replay = time.perf_counter()
                 own, events = partial[p.id]
                 own_answer(a, own, save=False)
                 job = None
@@ -351,6 +353,10 @@ def search_labels(
                     job = None
                 if not a.done:  # decoding goes on from here: the target catches up with the path first
                     _catch_up(target, a)
+                stats["replayed"] += 1
+                stats["replay_seconds"] += time.perf_counter() - t_replay
+                if bar is not None:
+                    bar.set_postfix(replayed=stats["replayed"], replay_s=round(stats["replay_seconds"]))
                 if job is None and not a.done:
                     job = advance(a)
                 if job is not None:
@@ -441,7 +447,8 @@ def search_labels(
     if bar is not None:
         bar.close()
     dt = time.perf_counter() - t0
-    stats.update(seconds=round(dt, 1), labels_per_hour=round(stats["labelled"] / dt * 3600) if dt > 0 else 0)
+    stats.update(seconds=round(dt, 1), labels_per_hour=round(stats["labelled"] / dt * 3600) if dt > 0 else 0,
+                 replay_seconds=round(stats["replay_seconds"], 1))
     return stats
 
 
