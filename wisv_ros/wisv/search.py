@@ -109,11 +109,7 @@ def _refresh(target, drafter, a: "_Answer", branch: tuple[int, object] | None = 
     ``drafter_only``: the drafter's view only (what a replayed walk needs to find its mismatches);
     the target catches up once the replay ends (``_catch_up``)."""
     if drafter_only:
-        f_d, logits_d, hid_d = _feed_path(drafter, a.session, a.prompt, a.path)
-        del a.d.hidden[f_d:]
-        a.d.hidden.extend(hid_d[i] for i in range(len(hid_d)))
-        del a.d.argmax[f_d:]
-        a.d.argmax.extend(logits_d.argmax(-1).tolist())
+        _take_drafter(a, *_feed_path(drafter, a.session, a.prompt, a.path))
         return False
     used = False
     if branch is not None:
@@ -145,21 +141,38 @@ def _refresh(target, drafter, a: "_Answer", branch: tuple[int, object] | None = 
     if used:
         del a.t.hidden[j + 1:]
         a.t.hidden.extend(trace.hidden[i] for i in range(n_tr))
-    for side, hid, first in ((a.t, hid_t, f_t), (a.d, hid_d, f_d)):
-        del side.hidden[first:]
-        side.hidden.extend(hid[i] for i in range(len(hid)))
-    del a.d.argmax[f_d:]
-    a.d.argmax.extend(logits_d.argmax(-1).tolist())
-    for q in [q for q in a.t.feats if q >= f_d]:
-        del a.t.feats[q]
+    _take_rows(a.t, f_t, hid_t)
+    _take_drafter(a, f_d, logits_d, hid_d)
     if used:
+        for q in [q for q in a.t.feats if q >= f_d]:
+            del a.t.feats[q]
         a.t.feats.update(feats)
     else:
-        for q in range(f_t, len(a.path)):
-            if a.d.argmax[q] != a.path[q]:
-                a.t.feats[q] = mismatch_features(logits_t[q - f_t], a.d.argmax[q])
+        _take_target_features(a, f_t, logits_t)
     assert len(a.t.hidden) == len(a.d.hidden) == len(a.d.argmax) == len(a.path) + 1
     return used
+
+
+def _take_rows(side: "_Side", first: int, hid: np.ndarray) -> None:
+    """A fed model's hidden rows replace ``side``'s from path index ``first`` on."""
+    del side.hidden[first:]
+    side.hidden.extend(hid[i] for i in range(len(hid)))
+
+
+def _take_drafter(a: "_Answer", first: int, logits: torch.Tensor, hid: np.ndarray) -> None:
+    """The drafter's fed rows: its hidden states and greedy tokens from path index ``first`` on."""
+    _take_rows(a.d, first, hid)
+    del a.d.argmax[first:]
+    a.d.argmax.extend(logits.argmax(-1).tolist())
+
+
+def _take_target_features(a: "_Answer", first: int, logits: torch.Tensor) -> None:
+    """The target's features at the path indices from ``first`` on where the drafter disagrees."""
+    for q in [q for q in a.t.feats if q >= first]:
+        del a.t.feats[q]
+    for q in range(first, len(a.path)):
+        if a.d.argmax[q] != a.path[q]:
+            a.t.feats[q] = mismatch_features(logits[q - first], a.d.argmax[q])
 
 
 def _catch_up(target, a: "_Answer") -> None:
@@ -167,13 +180,8 @@ def _catch_up(target, a: "_Answer") -> None:
     the features of every replayed record (``a.stale``). A kept swap changes only what follows its
     mismatch, so the final path holds the text each replayed mismatch was judged on up to it."""
     f_t, logits_t, hid_t = _feed_path(target, a.session, a.prompt, a.path)
-    del a.t.hidden[f_t:]
-    a.t.hidden.extend(hid_t[i] for i in range(len(hid_t)))
-    for q in [q for q in a.t.feats if q >= f_t]:
-        del a.t.feats[q]
-    for q in range(f_t, len(a.path)):
-        if a.d.argmax[q] != a.path[q]:
-            a.t.feats[q] = mismatch_features(logits_t[q - f_t], a.d.argmax[q])
+    _take_rows(a.t, f_t, hid_t)
+    _take_target_features(a, f_t, logits_t)
     for rid, j, d in a.stale:
         if j < f_t:
             raise RuntimeError(f"{a.problem.id}: the target's cache starts past replayed mismatch {j} (row {f_t})")
@@ -478,7 +486,7 @@ def oracle_summary(folders: Path | str | Sequence[Path | str], n_boot: int = 200
     ci = bootstrap_ci(rows, gain, n=n_boot, seed=seed) if rows else (0.0, 0.0)
     return {"answers": len(rows), "greedy_tokens": g_tok, "greedy_rounds": g_rounds, "greedy_aal": round(g_aal, 3),
             "oracle_tokens": o_tok, "oracle_rounds": o_rounds, "oracle_aal": round(o_aal, 3),
-            "aal_gain": round(gain(rows), 4) if rows else 0.0,
+            "aal_gain": round(o_aal / g_aal - 1, 4) if g_aal else 0.0,
             "aal_gain_ci": f"[{ci[0]:+.3f}, {ci[1]:+.3f}]",
             "rounds_change": round(o_rounds / g_rounds - 1, 4) if g_rounds else 0.0,
             "kept": sum(len(p["kept"]) for p in rows)}
