@@ -41,3 +41,30 @@ def test_pca_whitens_the_training_rows_and_the_mlp_learns_a_signal():
     for model in ("logistic", "mlp"):
         s = hf.fit_predict(model, x[:300], y[:300], x[300:])
         assert roc_auc(s, y[300:]) > 0.85, model
+
+
+def test_after_states_are_the_target_state_after_the_draft_token():
+    """Real weights (llama.cpp, Qwen2.5-Coder-0.5B): each record's state is the last row of a fresh
+    feed of prompt + text[:position] + [draft token], whatever the records' order, for a searched
+    path and for the target's own answer."""
+    from wisv_ros.sd.llama_cpp_lm import LlamaCppLM
+
+    with LlamaCppLM.from_gguf("qwen2.5-coder-0.5b-instruct", n_ctx=2048, threads=1, n_seq_max=2, n_sessions=2) as lm:
+        ids = lm.tokenizer.encode("Tom has 3 apples and buys 4 more. How many apples does he have? He has 7 apples.")
+        prompt, text = ids[:6], ids[6:]
+        problems = {"p": {"prompt_ids": prompt, "generated_ids": text, "path_ids": text[:9] + [11] + text[10:]}}
+        records = [{"uid": "p:1", "problem_id": "p", "position": 12, "draft_id": 17},
+                   {"uid": "p:0", "problem_id": "p", "position": 3, "draft_id": 16},
+                   {"uid": "p:2", "problem_id": "p", "position": 12, "draft_id": 18}]
+        for searched in (False, True):
+            got = hf.after_states(records, problems, lm, searched)
+            answer = problems["p"]["path_ids" if searched else "generated_ids"]
+            lm.use(1)
+            for i, r in enumerate(records):
+                lm.drop(1)
+                want = lm.feed(prompt + answer[:r["position"]] + [r["draft_id"]], n_logits=1).hidden[-1].numpy()
+                cos = float(got[i].astype(np.float32) @ want / np.linalg.norm(got[i].astype(np.float32)) / np.linalg.norm(want))
+                assert cos > 0.999, (searched, r["uid"], cos)
+            assert not np.allclose(got[0], got[2], atol=1e-2)  # another draft token, another state
+        with pytest.raises(ValueError, match="past its answer"):
+            hf.after_states([{"uid": "p:9", "problem_id": "p", "position": 99, "draft_id": 1}], problems, lm, False)

@@ -13,6 +13,10 @@ Feature sets (all per mismatch, from the trace records):
   letters only, an arithmetic sign; and whether both read the same ignoring case and spaces;
 * ``hidden``: the first 64 whitened principal components of [h_D; h_T] (fit on the training folds);
   the head's first layer can fold such a projection in, so this needs no new input.
+* with ``--after``, ``after``: the target's hidden state after it reads the draft token (the row of
+  the verifier's block pass at the draft token: free at run time, a target state that has seen the
+  swap); ``hidden+after`` whitens [h_D; h_T; h_after] together. The traces do not hold it: it is
+  computed with the llama.cpp target (``after_states``, about 10 s an answer here) and cached.
 
 Models: L2 logistic regression and a one-hidden-layer MLP (64 units, dropout 0.5, weight decay),
 both full-batch Adam in torch, trained on ``critical`` or ``harmful`` labels. Folds are grouped by
@@ -51,14 +55,15 @@ def token_features(text: str) -> list[float]:
             text.startswith(" "), s.isalpha(), any(c in SIGNS for c in text)]
 
 
-def load(folders: list[str], tokenizer: str):
+def load(folders: list[str], tokenizer: str, after_cache: Path | None = None, target: str = ""):
     from transformers import AutoTokenizer
 
     from wisv_ros.sd.models import resolve
     tok = AutoTokenizer.from_pretrained(resolve(tokenizer))
-    rows = {"target": [], "text": [], "hd": [], "ht": [], "critical": [], "harmful": [], "group": []}
+    rows = {"target": [], "text": [], "hd": [], "ht": [], "ha": [], "critical": [], "harmful": [], "group": []}
     for folder in folders:
         tr = load_traces(Path(folder))
+        ha = cached_after_states(folder, tr, after_cache, target) if after_cache is not None else None
         ref = reference_answers(tr)
         crit, harm = task_labels(tr, "critical", ref), task_labels(tr, "harmful", ref)
         for i, r in enumerate(tr.records):
@@ -69,10 +74,59 @@ def load(folders: list[str], tokenizer: str):
             rows["text"].append(token_features(d) + token_features(t) + [d.strip().lower() == t.strip().lower()])
             rows["hd"].append(tr.h_draft[i])
             rows["ht"].append(tr.h_target[i])
+            if ha is not None:
+                rows["ha"].append(ha[i])
             rows["critical"].append(int(crit[i]))
             rows["harmful"].append(int(harm[i]))
             rows["group"].append(f"{folder}:{r['problem_id']}")
     return {k: np.asarray(v, dtype=object if k == "group" else np.float32) for k, v in rows.items()}
+
+
+def after_states(records: list[dict], problems: dict[str, dict], target, searched: bool, progress=None) -> np.ndarray:
+    """The target's final-norm hidden state after it reads each record's draft token: the last row of
+    a feed of prompt + text[:position] + [draft_id], text being the answer the mismatch was met on
+    (the searched path, whose text before a mismatch never changes later, or the target's own
+    answer). ``target``: a ``LlamaCppLM``; each answer's records reuse its cache up to the
+    previous one. Returns [len(records), d_T] float16."""
+    out = np.zeros((len(records), target.hidden_size), np.float16)
+    by_pid: dict[str, list[int]] = {}
+    for i, r in enumerate(records):
+        by_pid.setdefault(r["problem_id"], []).append(i)
+    target.use(0)
+    for pid, rows in by_pid.items():
+        p = problems[pid]
+        text = p["path_ids"] if searched else p["generated_ids"]
+        for i in sorted(rows, key=lambda i: records[i]["position"]):
+            r = records[i]
+            j = int(r["position"])
+            if j > len(text):
+                raise ValueError(f"{r['uid']}: position {j} is past its answer ({len(text)} tokens)")
+            pending = target.sync(p["prompt_ids"] + text[:j] + [int(r["draft_id"])])
+            out[i] = target.feed(pending, n_logits=1).hidden[-1].numpy().astype(np.float16)
+        if progress is not None:
+            progress.update(1)
+    return out
+
+
+def cached_after_states(folder: str, tr, cache: Path, target_spec: str) -> np.ndarray:
+    """``after_states`` of a trace folder's records, from ``cache/<folder name>.npz`` (by uid) where
+    there, computed (and the cache rewritten) for the rest."""
+    path = cache / f"{Path(folder).name}.npz"
+    have: dict[str, np.ndarray] = {}
+    if path.is_file():
+        with np.load(path) as z:
+            have = dict(zip(z["uid"].tolist(), z["h_after"]))
+    missing = [r for r in tr.records if r["uid"] not in have]
+    if missing:
+        from wisv_ros.sd.llama_cpp_lm import LlamaCppLM
+        n_ans = len({r["problem_id"] for r in missing})
+        with LlamaCppLM.from_gguf(target_spec, n_ctx=4096, threads=1, n_seq_max=1, n_sessions=1) as lm, \
+                tqdm(total=n_ans, desc=f"after states {Path(folder).name}", unit="answer") as bar:
+            got = after_states(missing, tr.problems, lm, tr.meta.get("search") is not None, bar)
+        have.update(zip([r["uid"] for r in missing], got))
+        cache.mkdir(parents=True, exist_ok=True)
+        np.savez_compressed(path, uid=np.array(list(have)), h_after=np.stack(list(have.values())))
+    return np.stack([have[r["uid"]] for r in tr.records]).astype(np.float32)
 
 
 def folds_by_group(groups: np.ndarray, n: int, seed: int = 0) -> list[np.ndarray]:
@@ -118,6 +172,7 @@ def fit_predict(model: str, x_tr: np.ndarray, y_tr: np.ndarray, x_te: np.ndarray
 
 SETS = {"target": ("target",), "text": ("text",), "target+text": ("target", "text"), "hidden": ("hidden",),
         "hidden+target+text": ("hidden", "target", "text")}
+AFTER_SETS = {"hidden": ("hidden",), "after": ("after",), "hidden+after": ("hidden+after",)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,10 +182,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--folds", type=int, default=5)
     p.add_argument("--pca", type=int, default=64, help="principal components of [h_D; h_T] (default 64)")
     p.add_argument("--csv", type=Path, default=None, help="write the table here too")
+    p.add_argument("--after", action="store_true", help="screen the target's hidden state after the draft token "
+                   "instead (feature sets hidden, after, hidden+after; computes the states with the llama.cpp target)")
+    p.add_argument("--after-cache", type=Path, default=Path("runs/head_features_after"),
+                   help="where --after keeps the computed states, one .npz per folder (default %(default)s)")
+    p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="the traces' target, for --after (GGUF)")
     args = p.parse_args(argv)
     if args.folds < 2:
         p.error(f"--folds must be >= 2 (got {args.folds})")
-    data = load(args.traces, args.tokenizer)
+    data = load(args.traces, args.tokenizer, args.after_cache if args.after else None, args.target)
     n = len(data["group"])
     if n == 0:
         p.error("no labelled mismatches with true answers in --traces")
@@ -141,12 +201,19 @@ def main(argv: list[str] | None = None) -> int:
     # Each fold's inputs, fit on its training rows once and shared by every set, model and label.
     inputs = [{"hidden": pca(h[~test], h, args.pca), **{part: standardize(data[part][~test], data[part])
                                                         for part in ("target", "text")}} for test in folds]
-    jobs = [(s, m, lab) for s in SETS for m in ("logistic", "mlp") for lab in ("critical", "harmful")]
+    sets = SETS
+    if args.after:
+        sets = AFTER_SETS
+        ha = np.concatenate([h, data["ha"]], axis=1)
+        for test, fold in zip(folds, inputs):
+            fold["after"] = pca(data["ha"][~test], data["ha"], args.pca)
+            fold["hidden+after"] = pca(ha[~test], ha, args.pca)
+    jobs = [(s, m, lab) for s in sets for m in ("logistic", "mlp") for lab in ("critical", "harmful")]
     out = []
     for name, model, label in tqdm(jobs, desc="feature screen", unit="model"):
         score = np.zeros(n, dtype=np.float32)
         for test, fold in zip(folds, inputs):
-            x = np.concatenate([fold[part] for part in SETS[name]], axis=1).astype(np.float32)
+            x = np.concatenate([fold[part] for part in sets[name]], axis=1).astype(np.float32)
             score[test] = fit_predict(model, x[~test], data[label][~test], x[test])
         out.append({"features": name, "model": model, "trained_on": label,
                     "auc_harmful": round(roc_auc(score, data["harmful"]), 4),
