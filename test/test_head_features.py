@@ -23,6 +23,16 @@ def test_features_read_the_record_and_the_token_text():
     assert hf.token_features("+=") == [False, False, True, False, False, True]
 
 
+def test_window_features_read_the_fly_window_and_refuse_searched_records():
+    r = {"uid": "p:0", "agree_after": 9, "left": 20}
+    assert hf.window_features(r) == [6, 1.0, 1.0]  # capped at the FLy window
+    assert hf.window_features({**r, "agree_after": 1, "left": 3}) == [1, pytest.approx(1 / 3), 0.0]
+    assert hf.window_features({**r, "agree_after": 2, "left": 2}) == [2, 1.0, 1.0]  # the block's end
+    assert hf.window_features({**r, "agree_after": 0, "left": 0}) == [0, 0.0, 1.0]  # last token of a block
+    with pytest.raises(ValueError, match="p:0: no agree_after"):
+        hf.window_features({**r, "agree_after": None})
+
+
 def test_folds_keep_each_answer_in_one_fold_and_cover_all():
     groups = np.array([f"a{i // 7}" for i in range(70)], dtype=object)
     folds = hf.folds_by_group(groups, 5)

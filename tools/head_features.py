@@ -17,6 +17,11 @@ Feature sets (all per mismatch, from the trace records):
   the verifier's block pass at the draft token: free at run time, a target state that has seen the
   swap); ``hidden+after`` whitens [h_D; h_T; h_after] together. The traces do not hold it: it is
   computed with the llama.cpp target (``after_states``, about 10 s an answer here) and cached.
+* with ``--window``, ``window``: what the FLy rule reads after the mismatch: how many of the next
+  draft tokens (at most ``FLY_WINDOW``) the target's argmax given the draft agrees with, that count
+  over the tokens the block has left (at most ``FLY_WINDOW``), and whether all of them agree (the
+  traces' ``agree_after``; free at run time in the verifier's block pass). Only the target's-own-text
+  traces record it; a searched folder is refused.
 
 Models: L2 logistic regression and a one-hidden-layer MLP (64 units, dropout 0.5, weight decay),
 both full-batch Adam in torch, trained on ``critical`` or ``harmful`` labels. Folds are grouped by
@@ -40,6 +45,7 @@ from wisv_ros.eval.scoring import roc_auc  # noqa: E402
 from wisv_ros.wisv.traces import load_traces, reference_answers, task_labels  # noqa: E402
 
 SIGNS = set("+-*/=$%")
+FLY_WINDOW = 6  # the verifier's fly_window default (FLy's win_len)
 
 
 def target_features(r: dict) -> list[float]:
@@ -55,12 +61,20 @@ def token_features(text: str) -> list[float]:
             text.startswith(" "), s.isalpha(), any(c in SIGNS for c in text)]
 
 
-def load(folders: list[str], tokenizer: str, after_cache: Path | None = None, target: str = ""):
+def window_features(r: dict) -> list[float]:
+    if r.get("agree_after") is None:
+        raise ValueError(f"{r['uid']}: no agree_after in the record (searched traces do not record the FLy window; "
+                         "screen --window on the target's-own-text traces)")
+    agree, room = min(int(r["agree_after"]), FLY_WINDOW), max(min(int(r["left"]), FLY_WINDOW), 1)
+    return [agree, agree / room, float(agree >= min(int(r["left"]), FLY_WINDOW))]
+
+
+def load(folders: list[str], tokenizer: str, after_cache: Path | None = None, target: str = "", window: bool = False):
     from transformers import AutoTokenizer
 
     from wisv_ros.sd.models import resolve
     tok = AutoTokenizer.from_pretrained(resolve(tokenizer))
-    rows = {"target": [], "text": [], "hd": [], "ht": [], "ha": [], "critical": [], "harmful": [], "group": []}
+    rows = {"target": [], "text": [], "window": [], "hd": [], "ht": [], "ha": [], "critical": [], "harmful": [], "group": []}
     for folder in folders:
         tr = load_traces(Path(folder))
         ha = cached_after_states(folder, tr, after_cache, target) if after_cache is not None else None
@@ -72,6 +86,8 @@ def load(folders: list[str], tokenizer: str, after_cache: Path | None = None, ta
             d, t = tok.decode([r["draft_id"]]), tok.decode([r["target_id"]])
             rows["target"].append(target_features(r))
             rows["text"].append(token_features(d) + token_features(t) + [d.strip().lower() == t.strip().lower()])
+            if window:
+                rows["window"].append(window_features(r))
             rows["hd"].append(tr.h_draft[i])
             rows["ht"].append(tr.h_target[i])
             if ha is not None:
@@ -173,6 +189,9 @@ def fit_predict(model: str, x_tr: np.ndarray, y_tr: np.ndarray, x_te: np.ndarray
 SETS = {"target": ("target",), "text": ("text",), "target+text": ("target", "text"), "hidden": ("hidden",),
         "hidden+target+text": ("hidden", "target", "text")}
 AFTER_SETS = {"hidden": ("hidden",), "after": ("after",), "hidden+after": ("hidden+after",)}
+WINDOW_SETS = {"window": ("window",), "hidden": ("hidden",), "hidden+window": ("hidden", "window"),
+               "hidden+target+text": ("hidden", "target", "text"),
+               "hidden+target+text+window": ("hidden", "target", "text", "window")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,13 +203,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--csv", type=Path, default=None, help="write the table here too")
     p.add_argument("--after", action="store_true", help="screen the target's hidden state after the draft token "
                    "instead (feature sets hidden, after, hidden+after; computes the states with the llama.cpp target)")
+    p.add_argument("--window", action="store_true", help="screen the FLy window after the mismatch instead "
+                   "(feature sets window, hidden, hidden+window, hidden+target+text, hidden+target+text+window; "
+                   "traces of the target's own text only)")
     p.add_argument("--after-cache", type=Path, default=Path("runs/head_features_after"),
                    help="where --after keeps the computed states, one .npz per folder (default %(default)s)")
     p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="the traces' target, for --after (GGUF)")
     args = p.parse_args(argv)
     if args.folds < 2:
         p.error(f"--folds must be >= 2 (got {args.folds})")
-    data = load(args.traces, args.tokenizer, args.after_cache if args.after else None, args.target)
+    if args.after and args.window:
+        p.error("--after and --window screen different traces (searched and not): pick one")
+    try:
+        data = load(args.traces, args.tokenizer, args.after_cache if args.after else None, args.target, args.window)
+    except ValueError as e:
+        p.error(str(e))
     n = len(data["group"])
     if n == 0:
         p.error("no labelled mismatches with true answers in --traces")
@@ -199,9 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     h = np.concatenate([data["hd"], data["ht"]], axis=1)
     folds = folds_by_group(data["group"], args.folds)
     # Each fold's inputs, fit on its training rows once and shared by every set, model and label.
+    parts = ("target", "text", "window") if args.window else ("target", "text")
     inputs = [{"hidden": pca(h[~test], h, args.pca), **{part: standardize(data[part][~test], data[part])
-                                                        for part in ("target", "text")}} for test in folds]
-    sets = SETS
+                                                        for part in parts}} for test in folds]
+    sets = WINDOW_SETS if args.window else SETS
     if args.after:
         sets = AFTER_SETS
         ha = np.concatenate([h, data["ha"]], axis=1)
