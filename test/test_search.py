@@ -30,8 +30,9 @@ class Promoted:
     """A llama.cpp model whose greedy token is its runner-up at absolute positions p with
     p % EVERY == AT (its logits at the row before are swapped there); everything else delegates."""
 
-    def __init__(self, lm: LlamaCppLM):
+    def __init__(self, lm: LlamaCppLM, every: int = EVERY):
         self.lm = lm
+        self.every = every
 
     def __getattr__(self, name):
         return getattr(self.lm, name)
@@ -43,7 +44,7 @@ class Promoted:
         logits = step.logits.clone()
         for r in range(logits.shape[0]):
             predicts = base + len(ids) - n_logits + r + 1
-            if predicts % EVERY == AT:
+            if predicts % self.every == AT:
                 top2 = torch.topk(logits[r], 2).indices
                 logits[r, top2[0]], logits[r, top2[1]] = logits[r, top2[1]].item(), logits[r, top2[0]].item()
         step.logits = logits
@@ -211,6 +212,30 @@ def test_a_stopped_search_resumes_where_it_stopped(searched):
     # The finished answers' lines are dropped from partial.jsonl when the next run starts.
     search_labels(drafter, target, problems, out, k=8, max_new_tokens=200, slots=2, source="gsm_symbolic, seed 7")
     assert (out / "partial.jsonl").read_text() == ""
+
+
+def test_a_replay_follows_the_saved_walk_where_its_drafter_rounds_otherwise(searched, tmp_path):
+    """A replay's drafter pass may round a near-tie the other way and meet another mismatch first.
+    Made certain here: the second run's drafter promotes its runner-up at other positions, so on its
+    own it would meet none of the saved mismatches. The replay still follows the saved walk: every
+    saved event is kept as it was (none decoded again, partial.jsonl not rewritten from it) and
+    the next label is the first one decoded."""
+    from wisv_ros.wisv.search import _load_partial
+
+    _, target, drafter, problems, _ = searched
+    one = problems[:1]
+    first = search_labels(drafter, target, one, tmp_path, k=8, max_new_tokens=200, slots=1, limit=3)
+    saved = _load_partial(tmp_path / "partial.jsonl", set())[one[0].id][1]
+    assert first["labelled"] == 3 and len(saved) == 3
+    n_prompt = len(encode_prompt(target.tokenizer, build_prompt(one[0], tokenizer_has_chat_template=True)))
+    assert all((n_prompt + ev["j"]) % EVERY == AT for ev in saved)  # the first drafter's mismatches only
+    other = Promoted(drafter.lm, every=EVERY + 6)
+    rest = search_labels(other, target, one, tmp_path, k=8, max_new_tokens=200, slots=1, limit=1)
+    assert rest["replayed"] == 1 and rest["labelled"] == 1
+    lines = [json.loads(x) for x in (tmp_path / "partial.jsonl").read_text().splitlines()]
+    events = [x for x in lines if x["n"] >= 0]
+    assert events[:3] == saved and [x["n"] for x in events] == [0, 1, 2, 3]  # appended after, not rewritten
+    assert events[3]["j"] > saved[-1]["j"] and (n_prompt + events[3]["j"]) % (EVERY + 6) == AT  # the new drafter's
 
 
 def test_search_folder_trains_resumes_and_refuses_relabelling(searched, capsys):

@@ -193,6 +193,21 @@ def _catch_up(target, a: "_Answer") -> None:
     assert len(a.t.hidden) == len(a.d.hidden) == len(a.path) + 1
 
 
+def _follow(a: "_Answer", j: int, d: int) -> bool:
+    """Make a replayed walk meet the saved event's mismatch: the saved run's drafter agreed with
+    the path from where the walk stands up to ``j`` and drafted ``d`` there. The replay's drafter
+    pass (another batch, another rounding in llama.cpp) may round a near-tie the other way; its
+    argmax is set to the saved walk's so that the replay keeps every saved label instead of
+    decoding them again. False where the event cannot be on this walk (a saved file that does not
+    belong to this path)."""
+    if not (a.q <= j < len(a.path)) or int(d) == a.path[j]:
+        return False
+    for p in range(a.q, j):
+        a.d.argmax[p] = a.path[p]
+    a.d.argmax[j] = int(d)
+    return True
+
+
 def _record(rid: int, j: int, block_index: int, d: int, target_id: int, feats: dict, left: int, kept: bool) -> dict:
     """One mismatches.jsonl line of the search (no FLy window: ``agree_after`` None)."""
     return {"round_id": rid, "position": j, "block_index": block_index, "draft_id": d, "target_id": target_id,
@@ -256,7 +271,7 @@ def search_labels(
     ``out``. Resumable without losing work: every branch result of an answer under way goes to
     ``partial.jsonl`` as it comes (the target's own answer, then each label with its continuation
     where the swap was kept), and a later run replays an unfinished answer from there instead of
-    decoding it again. ``limit``: stop after this many new labels (the answers under way stay in
+    decoding it again (following the saved walk's mismatches, ``_follow``). ``limit``: stop after this many new labels (the answers under way stay in
     partial.jsonl). ``drafter`` and ``target`` are ``LlamaCppLM`` with at least
     ``slots`` sessions (the target also ``slots`` more sequences for the branches: ``n_seq_max >=
     2 * slots``). ``max_path`` caps a searched path (default 2 * max_new_tokens): the search of an
@@ -275,6 +290,9 @@ def search_labels(
     if k < 1 or max_new_tokens < 1:
         raise ValueError(f"k and max_new_tokens must be >= 1 (got {k}, {max_new_tokens})")
     max_path = max_path or 2 * max_new_tokens
+    for s in range(slots):  # the walk assumes both models' sessions start empty (a model used before may not)
+        target.drop(s)
+        drafter.drop(s)
     writer = TraceWriter(out, {
         "drafter": drafter.path.name, "target": target.path.name, "k": k, "max_new_tokens": max_new_tokens,
         "target_dtype": "gguf", "drafter_dtype": "gguf", "d_draft": drafter.hidden_size,
@@ -354,9 +372,11 @@ def search_labels(
                 own_answer(a, own, save=False)
                 job = None
                 for ev in events:
-                    job = advance(a) if not a.done else None
+                    if a.done or not _follow(a, ev["j"], ev["d"]):
+                        break  # the saved walk does not fit this path: decode from here
+                    job = advance(a)
                     if job is None or a.waiting != (ev["j"], ev["d"]):
-                        break  # the walk parts from the saved one (a near-tie): decode from here
+                        break
                     resolve(a, ev.get("cont"), ev["answer"], ev["new_tokens"], save=False)
                     job = None
                 if not a.done:  # decoding goes on from here: the target catches up with the path first
