@@ -216,24 +216,24 @@ def test_a_stopped_search_resumes_where_it_stopped(searched):
 
 def test_a_replay_follows_the_saved_walk_where_its_drafter_rounds_otherwise(searched, tmp_path):
     """A replay's drafter pass may round a near-tie the other way and meet another mismatch first.
-    Made certain here: the second run's drafter promotes its runner-up at other positions, so on its
-    own it would meet none of the saved mismatches. The replay still follows the saved walk: every
-    saved event is kept as it was (none decoded again, partial.jsonl not rewritten from it) and
-    the next label is the first one decoded."""
+    Made certain here: the fixture's first run (stopped after 3 labels) is resumed by a drafter that
+    promotes its runner-up at other positions, so on its own it would meet none of the saved
+    mismatches. The replay still follows the saved walk: every saved event is kept as it was (none
+    decoded again, partial.jsonl not rewritten from it) and the next label is the first one decoded."""
     from wisv_ros.wisv.search import _load_partial
 
-    _, target, drafter, problems, _ = searched
-    one = problems[:1]
-    first = search_labels(drafter, target, one, tmp_path, k=8, max_new_tokens=200, slots=1, limit=3)
-    saved = _load_partial(tmp_path / "partial.jsonl", set())[one[0].id][1]
-    assert first["labelled"] == 3 and len(saved) == 3
+    _, target, drafter, problems, stats = searched
+    (tmp_path / "partial.jsonl").write_text(stats["saved"])
+    pid = next(x["problem_id"] for x in map(json.loads, stats["saved"].splitlines()) if x["n"] >= 0)
+    one = [p for p in problems if p.id == pid]
+    saved = _load_partial(tmp_path / "partial.jsonl", set())[pid][1]
     n_prompt = len(encode_prompt(target.tokenizer, build_prompt(one[0], tokenizer_has_chat_template=True)))
-    assert all((n_prompt + ev["j"]) % EVERY == AT for ev in saved)  # the first drafter's mismatches only
+    assert len(saved) == 3 and all((n_prompt + ev["j"]) % EVERY == AT for ev in saved)  # the first drafter's
     other = Promoted(drafter.lm, every=EVERY + 6)
     rest = search_labels(other, target, one, tmp_path, k=8, max_new_tokens=200, slots=1, limit=1)
     assert rest["replayed"] == 1 and rest["labelled"] == 1
-    lines = [json.loads(x) for x in (tmp_path / "partial.jsonl").read_text().splitlines()]
-    events = [x for x in lines if x["n"] >= 0]
+    events = [x for x in map(json.loads, (tmp_path / "partial.jsonl").read_text().splitlines())
+              if x["n"] >= 0 and x["problem_id"] == pid]
     assert events[:3] == saved and [x["n"] for x in events] == [0, 1, 2, 3]  # appended after, not rewritten
     assert events[3]["j"] > saved[-1]["j"] and (n_prompt + events[3]["j"]) % (EVERY + 6) == AT  # the new drafter's
 
