@@ -65,8 +65,8 @@ def window_features(r: dict) -> list[float]:
     if r.get("agree_after") is None:
         raise ValueError(f"{r['uid']}: no agree_after in the record (searched traces do not record the FLy window; "
                          "screen --window on the target's-own-text traces)")
-    agree, room = min(int(r["agree_after"]), FLY_WINDOW), max(min(int(r["left"]), FLY_WINDOW), 1)
-    return [agree, agree / room, float(agree >= min(int(r["left"]), FLY_WINDOW))]
+    agree, room = min(int(r["agree_after"]), FLY_WINDOW), min(int(r["left"]), FLY_WINDOW)
+    return [agree, agree / max(room, 1), float(agree >= room)]
 
 
 def load(folders: list[str], tokenizer: str, after_cache: Path | None = None, target: str = "", window: bool = False):

@@ -271,10 +271,10 @@ def search_labels(
     ``out``. Resumable without losing work: every branch result of an answer under way goes to
     ``partial.jsonl`` as it comes (the target's own answer, then each label with its continuation
     where the swap was kept), and a later run replays an unfinished answer from there instead of
-    decoding it again (following the saved walk's mismatches, ``_follow``). ``limit``: stop after this many new labels (the answers under way stay in
-    partial.jsonl). ``drafter`` and ``target`` are ``LlamaCppLM`` with at least
-    ``slots`` sessions (the target also ``slots`` more sequences for the branches: ``n_seq_max >=
-    2 * slots``). ``max_path`` caps a searched path (default 2 * max_new_tokens): the search of an
+    decoding it again (following the saved walk's mismatches, ``_follow``). ``limit``: stop after
+    this many new labels (the answers under way stay in partial.jsonl). ``drafter`` and ``target``
+    are ``LlamaCppLM`` with at least ``slots`` sessions (the target also ``slots`` more sequences
+    for the branches: ``n_seq_max >= 2 * slots``). ``max_path`` caps a searched path (default 2 * max_new_tokens): the search of an
     answer stops there.
 
     Returns {"problems", "labelled", "critical", "kept", "adopted" (kept swaps whose target pass came from
@@ -376,7 +376,7 @@ def search_labels(
                         break  # the saved walk does not fit this path: decode from here
                     job = advance(a)
                     if job is None or a.waiting != (ev["j"], ev["d"]):
-                        break
+                        break  # the walk did not reach it (past max_path, or a block's last token): decode from here
                     resolve(a, ev.get("cont"), ev["answer"], ev["new_tokens"], save=False)
                     job = None
                 if not a.done:  # decoding goes on from here: the target catches up with the path first
