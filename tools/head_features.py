@@ -42,10 +42,10 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from wisv_ros.eval.scoring import roc_auc  # noqa: E402
+from wisv_ros.sd.acceptance import FLY_WINDOW  # noqa: E402
 from wisv_ros.wisv.traces import load_traces, reference_answers, task_labels  # noqa: E402
 
 SIGNS = set("+-*/=$%")
-FLY_WINDOW = 6  # the verifier's fly_window default (FLy's win_len)
 
 
 def target_features(r: dict) -> list[float]:

@@ -42,6 +42,7 @@ from wisv_ros.cli.bench import dataset_prompts
 from wisv_ros.cli.copy_eval import HUMANEVAL_CHAT
 from wisv_ros.eval.datasets import Problem, gsm8k_correct, humaneval_pass, load_gsm8k, load_humaneval
 from wisv_ros.eval.replay import Trace, policies, read_traces, replay_greedy
+from wisv_ros.sd.acceptance import FLY_ENTROPY, FLY_WINDOW
 from wisv_ros.sd.metrics import format_table
 from wisv_ros.sd.models import DEFAULT_DRAFTER, DEFAULT_TARGET, REGISTRY
 from wisv_ros.sd.roundlog import RoundLog, RoundRecord
@@ -139,7 +140,7 @@ def cmd_decode(args) -> int:
     return 0
 
 
-def live_system_name(method: str, k: int, temperature: float, *, fly_entropy: float = 0.6, fly_window: int = 6,
+def live_system_name(method: str, k: int, temperature: float, *, fly_entropy: float = FLY_ENTROPY, fly_window: int = FLY_WINDOW,
                      tau: float = 0.0, channel: str = "", head: str = "") -> str:
     """reject_k8_t1, live_greedy_k8 (not greedy_k8: that name is the replayed system's),
     fly_k8_e0.6_w6, wisv_k8_tau0.1_20mbps_50ms_<head file stem>."""
@@ -845,10 +846,10 @@ def main(argv: list[str] | None = None) -> int:
                       help="reject: rejection SD (samples; not replayable); greedy: live greedy SD, e.g. to check the "
                       "replay; fly: training-free lenient verification (--fly-entropy, --fly-window); wisv: the "
                       "decision head (--head, --tau, --channel) (default %(default)s)")
-    live.add_argument("--fly-entropy", type=float, default=0.6,
+    live.add_argument("--fly-entropy", type=float, default=FLY_ENTROPY,
                       help="method fly: accept a mismatch only where the target's normalised top-8 entropy is at least this "
                       "(0..1; default %(default)s)")
-    live.add_argument("--fly-window", type=int, default=6,
+    live.add_argument("--fly-window", type=int, default=FLY_WINDOW,
                       help="method fly: draft tokens after the mismatch that must all match the target (default %(default)s)")
     live.add_argument("--head", default=None, help="method wisv: decision head .onnx")
     live.add_argument("--tau", type=float, default=0.1, help="method wisv: rejection threshold (default %(default)s)")
@@ -874,8 +875,8 @@ def main(argv: list[str] | None = None) -> int:
     tw.add_argument("--tau-per-channel", default="", help="method wisv: '<scenario>:<tau>,...' (the verifier's parameter): the "
                     "tau of the scenario nearest --channel replaces --tau (default: none)")
     tw.add_argument("--channel", default="20mbps_50ms", help="method wisv: channel scenario the head sees (default %(default)s)")
-    tw.add_argument("--fly-entropy", type=float, default=0.6, help="method fly: entropy gate (default %(default)s)")
-    tw.add_argument("--fly-window", type=int, default=6, help="method fly: deferred window (default %(default)s)")
+    tw.add_argument("--fly-entropy", type=float, default=FLY_ENTROPY, help="method fly: entropy gate (default %(default)s)")
+    tw.add_argument("--fly-window", type=int, default=FLY_WINDOW, help="method fly: deferred window (default %(default)s)")
     tw.add_argument("--drafter", default=DEFAULT_DRAFTER, help="drafter model, same vocabulary (default %(default)s)")
     tw.add_argument("--k", type=int, default=8, help="block size (default %(default)s; greedy: any, replay picks K)")
     tw.add_argument("--backend", default="llama_cpp", choices=("torch", "llama_cpp"), help="engine of both models (default %(default)s)")

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from wisv_ros.eval.replay import Trace
-from wisv_ros.sd.acceptance import FLY_TOP_K, topk_entropy
+from wisv_ros.sd.acceptance import FLY_ENTROPY, FLY_TOP_K, FLY_WINDOW, topk_entropy
 from wisv_ros.sd.lm import CausalLM
 from wisv_ros.sd.roundlog import RoundRecord, round_bytes
 
@@ -93,7 +93,7 @@ class _Pair:
 
 def decode_tokenwise(drafter: CausalLM, target: CausalLM, prompt_ids: Sequence[int], *, k: int, max_new_tokens: int,
                      method: str = "greedy", judge: Callable | None = None, tau: float = 0.0,
-                     fly_entropy: float = 0.6, fly_window: int = 6, stop_text: Callable[[str], bool] | None = None,
+                     fly_entropy: float = FLY_ENTROPY, fly_window: int = FLY_WINDOW, stop_text: Callable[[str], bool] | None = None,
                      request_id: str = "tokenwise", dataset: str = "", on_round: Callable[[RoundRecord], None] | None = None,
                      ) -> TokenwiseResult:
     """Decode one prompt (``prompt_ids``, both models' vocabulary) by the rounds of ``method`` at block

@@ -66,6 +66,7 @@ from wisv_ros.link.channel import ChannelState as LinkChannel
 from wisv_ros.nodes.transport import HiddenFetch
 from wisv_ros.nodes.common import (QOS_DEPTH, RELIABLE_QOS, ServingNode, declare, frozen_after_start, msg_bytes, reliable_qos,
                                     run_node, stamp_age_s, stamp_now)
+from wisv_ros.sd.acceptance import FLY_ENTROPY, FLY_WINDOW
 from wisv_ros.sd.engines import BACKENDS, load_lm, resolve_backend
 from wisv_ros.sd.models import WEIGHT_DTYPES, resolve_dtype
 from wisv_ros.sd.placement import EdgeLoad
@@ -123,9 +124,9 @@ class VerifierNode(ServingNode):
                 "500mbps_5ms:0.02'); the scenario nearest the measured channel_state gives the tau of every wisv block, "
                 "in place of the robot's; 'head' = the schedule chosen with the head (its sidecar's tau_per_channel; "
                 "none there: the robot's tau); '' = the robot's tau")
-        declare(self, "fly_entropy", 0.6, "method fly: accept a mismatch only where the target's normalised top-8 entropy is "
+        declare(self, "fly_entropy", FLY_ENTROPY, "method fly: accept a mismatch only where the target's normalised top-8 entropy is "
                 "at least this (0 = always, > 1 = never: greedy)", lo=0.0, hi=2.0)
-        declare(self, "fly_window", 6, "method fly: the draft tokens after an accepted mismatch that must all match the "
+        declare(self, "fly_window", FLY_WINDOW, "method fly: the draft tokens after an accepted mismatch that must all match the "
                 "target's own (deferred window)", lo=1, hi=256)
         declare(self, "default_channel", "20mbps_50ms", "channel scenario the head assumes until the first channel_state arrives", choices=tuple(SCENARIOS))
         declare(self, "max_requests", 16, "requests whose verifier state is kept (oldest dropped first)", lo=1, hi=4096)

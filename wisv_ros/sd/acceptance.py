@@ -21,11 +21,16 @@ from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["FLY_TOP_K", "Decision", "fly_accept", "greedy_accept", "judged_accept", "mismatch_positions",
+__all__ = ["FLY_ENTROPY", "FLY_TOP_K", "FLY_WINDOW", "Decision", "fly_accept", "greedy_accept", "judged_accept", "mismatch_positions",
            "rejection_accept", "softmax_t", "topk_entropy"]
 
 #: Probabilities the FLy-style entropy gate looks at (``topk_entropy``).
 FLY_TOP_K = 8
+#: fly's default entropy gate (normalised top-k entropy, 0..1): a mismatch is accepted only above it.
+FLY_ENTROPY = 0.6
+#: fly's default deferred window (FLy's win_len): the draft tokens after an accepted mismatch that must all
+#: equal the target's argmax.
+FLY_WINDOW = 6
 
 
 @dataclasses.dataclass(frozen=True)

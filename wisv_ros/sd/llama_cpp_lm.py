@@ -29,6 +29,7 @@ No rclpy here: this module is part of the ROS-free core.
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import dataclasses
 import sys
@@ -573,15 +574,16 @@ class LlamaCppLM(CacheSync):
         """Greedy continuations of ``prefix[:p] + [token]`` for every ``(p, token)`` in ``branches``,
         yielded batch by batch as ``(branch indices, their continuations)``.
 
-        The session sequence in use holds the prefix; every branch of a batch gets its own
-        sequence sharing the prefix's first ``p`` cells (``llama_memory_seq_cp``: no copy in a
-        unified cache), and one ``llama_decode`` advances every branch of the batch by one token. A
-        branch leaves the batch when ``stop(branch index, its new tokens)`` is true or it emits an end-of-sequence
-        token, and its cells are freed. ``batch_size`` is at most ``n_seq_max - 1``; the cache needs
+        The session sequence in use holds the prefix; every running branch gets its own sequence
+        sharing the prefix's first ``p`` cells (``llama_memory_seq_cp``: no copy in a unified cache),
+        and one ``llama_decode`` advances up to ``batch_size`` branches by one token (``branch_pool``:
+        a branch that ends frees its slot for the next one). A branch ends when ``stop(branch index,
+        its new tokens)`` is true, at an end-of-sequence token or after ``max_new_tokens``, and its
+        cells are freed; finished branches are yielded in groups of ``batch_size``, latest branch
+        points started first. ``batch_size`` is at most ``n_seq_max - n_sessions``; the cache needs
         ``len(prefix) + batch_size * max_new_tokens`` cells. Afterwards the session holds the prefix's
         first ``max(p)`` tokens and the branch sequences are gone.
         """
-        L = self._L
         prefix = self._check_ids(prefix)
         if not 1 <= batch_size <= self.n_seq_max - self.n_sessions:
             raise ValueError(f"batch_size {batch_size} needs n_seq_max >= {batch_size + self.n_sessions} "
@@ -600,41 +602,27 @@ class LlamaCppLM(CacheSync):
         pending = self.sync(prefix[:n_shared])
         if pending:
             self.feed(pending)
-        eos = self.eos_ids()
         order = sorted(range(len(branches)), key=lambda i: -branches[i][0])
-        for start in range(0, len(order), batch_size):
-            members = order[start:start + batch_size]
-            seq = {i: self.n_sessions + j for j, i in enumerate(members)}
-            conts: dict[int, list[int]] = {i: [] for i in members}
-            for i in members:
-                L.llama_memory_seq_rm(self._mem, seq[i], -1, -1)
-                L.llama_memory_seq_cp(self._mem, self._seq, seq[i], 0, branches[i][0])
-            active = list(members)
-            nxt = {i: (branches[i][1], branches[i][0]) for i in members}  # token to feed, its position
-            try:
-                for _ in range(max_new_tokens):
-                    self._decode([(nxt[i][0], nxt[i][1], (seq[i],)) for i in active])
-                    self.forward_passes += 1
-                    logits = self._rows(L.llama_get_logits_ith, range(len(active)), self._n_vocab)
-                    self._chunks = {}  # captured layers are not needed here
-                    keep = []
-                    for row, i in enumerate(active):
-                        t = int(logits[row].argmax())
-                        if t not in eos:
-                            conts[i].append(t)
-                            if not stop(i, conts[i]):
-                                keep.append(i)
-                                nxt[i] = (t, nxt[i][1] + 1)
-                                continue
-                        L.llama_memory_seq_rm(self._mem, seq[i], -1, -1)
-                    active = keep
-                    if not active:
-                        break
-            finally:
-                self._chunks = {}
-                for i in members:
-                    L.llama_memory_seq_rm(self._mem, seq[i], -1, -1)
-            yield members, [conts[i] for i in members]
+        todo = collections.deque(order)
+
+        def next_branch():
+            if not todo:
+                return None
+            i = todo.popleft()
+            return i, self._seq, branches[i][0], branches[i][1]
+
+        # branch_pool refills a slot as soon as its branch ends; finished branches are handed on
+        # in groups of batch_size.
+        members: list[int] = []
+        conts: list[list[int]] = []
+        for i, cont in self.branch_pool(next_branch, max_new_tokens, stop, batch_size):
+            members.append(i)
+            conts.append(cont)
+            if len(members) == batch_size:
+                yield members, conts
+                members, conts = [], []
+        if members:
+            yield members, conts
 
     def branch_pool(self, next_branch: Callable[[], tuple[Hashable, int, int, int] | None], max_new_tokens: int,
                     stop: Callable[[Hashable, list[int]], bool], slots: int, trace_top: int = 0,

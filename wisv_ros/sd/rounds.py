@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from wisv_ros.link.channel import ChannelState, WireFormat, choose_protocol
+from wisv_ros.sd.acceptance import FLY_ENTROPY, FLY_WINDOW
 from wisv_ros.sd.drafting import DraftBlock, Drafter, encode_prompt, pick_token
 from wisv_ros.sd.lm import CausalLM
 from wisv_ros.sd.metrics import DecodeStats
@@ -234,7 +235,7 @@ class EdgeSessions:
                  copy: CopyConfig | None = None, seed: int = 0, max_requests: int = 16, copy_max_rounds: int = 32,
                  verifier_for: Callable[[], Verifier] | None = None,
                  round_log: Callable[[RoundRecord], None] | None = None,
-                 max_context: int = 8192, max_block: int = 256, head_id: str | None = None, fly_entropy: float = 0.6, fly_window: int = 6,
+                 max_context: int = 8192, max_block: int = 256, head_id: str | None = None, fly_entropy: float = FLY_ENTROPY, fly_window: int = FLY_WINDOW,
                  channel_tau: Callable[[BlockRequest], float] | None = None, max_edge_tokens: int = 32):
         if max_context < 2 or max_block < 1 or max_edge_tokens < 1:
             raise ValueError(f"max_context must be >= 2, max_block and max_edge_tokens >= 1 (got {max_context}, {max_block}, "

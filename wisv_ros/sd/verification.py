@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from wisv_ros.sd.acceptance import fly_accept, greedy_accept, judged_accept, mismatch_positions, rejection_accept
+from wisv_ros.sd.acceptance import FLY_ENTROPY, FLY_WINDOW, fly_accept, greedy_accept, judged_accept, mismatch_positions, rejection_accept
 from wisv_ros.sd.drafting import DraftBlock
 from wisv_ros.sd.lm import CausalLM
 from wisv_ros.switchsd.copying import CopyConfig, verify_tree
@@ -124,8 +124,8 @@ class Verifier:
         judge: Judge | None = None,
         seed: int = 0,
         copy: CopyConfig | None = None,
-        fly_entropy: float = 0.6,
-        fly_window: int = 6,
+        fly_entropy: float = FLY_ENTROPY,
+        fly_window: int = FLY_WINDOW,
     ):
         if method == Method.TARGET_ONLY:
             raise ValueError("method target_only has no verifier; use rounds.generate_target_only()")
