@@ -78,3 +78,41 @@ def test_after_states_are_the_target_state_after_the_draft_token():
             assert not np.allclose(got[0], got[2], atol=1e-2)  # another draft token, another state
         with pytest.raises(ValueError, match="past its answer"):
             hf.after_states([{"uid": "p:9", "problem_id": "p", "position": 99, "draft_id": 1}], problems, lm, False)
+
+
+def test_down_states_are_the_target_state_down_its_own_continuation_of_the_swap():
+    """Real weights (llama.cpp, Qwen2.5-Coder-0.5B): offset o's state is the last row of a fresh feed of
+    prompt + text[:position] + [draft token] + the first o tokens of the target's greedy continuation
+    from there (one-token decodes), for every record of the answer decoded side by side; offset 0 is
+    ``after_states``."""
+    from wisv_ros.sd.llama_cpp_lm import LlamaCppLM
+
+    with LlamaCppLM.from_gguf("qwen2.5-coder-0.5b-instruct", n_ctx=2048, threads=1, n_seq_max=4, n_sessions=2) as lm:
+        ids = lm.tokenizer.encode("Tom has 3 apples and buys 4 more. How many apples does he have? He has 7 apples.")
+        prompt, text = ids[:6], ids[6:]
+        problems = {"p": {"prompt_ids": prompt, "generated_ids": text, "path_ids": text}}
+        records = [{"uid": "p:1", "problem_id": "p", "position": 12, "draft_id": 17},
+                   {"uid": "p:0", "problem_id": "p", "position": 3, "draft_id": 16},
+                   {"uid": "p:2", "problem_id": "p", "position": 12, "draft_id": 18}]
+        offsets = (0, 3)
+        got = hf.down_states(records, problems, lm, False, offsets=offsets, slots=2)
+        assert got.shape == (3, 2, lm.hidden_size)
+        after = hf.after_states(records, problems, lm, False)
+        lm.use(1)
+        for i, r in enumerate(records):
+            context = prompt + text[:r["position"]] + [r["draft_id"]]
+            lm.drop(1)
+            cont = []
+            for _ in range(max(offsets)):
+                cont.append(int(lm.feed(context[len(lm.cached):] if not cont else cont[-1:], n_logits=1).logits[-1].argmax()))
+            for k, o in enumerate(offsets):
+                lm.drop(1)
+                want = lm.feed(context + cont[:o], n_logits=1).hidden[-1].numpy()
+                g = got[i, k].astype(np.float32)
+                cos = float(g @ want / np.linalg.norm(g) / np.linalg.norm(want))
+                assert cos > 0.999, (r["uid"], o, cos)
+            a = after[i].astype(np.float32)
+            assert float(a @ got[i, 0].astype(np.float32) / np.linalg.norm(a) / np.linalg.norm(got[i, 0].astype(np.float32))) > 0.999
+        assert not np.allclose(got[0, 1], got[0, 0], atol=1e-2)  # three tokens on, another state
+        with pytest.raises(ValueError, match="past its answer"):
+            hf.down_states([{"uid": "p:9", "problem_id": "p", "position": 99, "draft_id": 1}], problems, lm, False, slots=2)

@@ -22,6 +22,14 @@ Feature sets (all per mismatch, from the trace records):
   over the tokens the block has left (at most ``FLY_WINDOW``), and whether all of them agree (the
   traces' ``agree_after``; free at run time in the verifier's block pass). Only the target's-own-text
   traces record it; a searched folder is refused.
+* with ``--down``, ``down0`` .. ``down16``: the target's hidden state further down the swapped text:
+  after it reads the draft token and the next 0, 4, 8 or 16 tokens of its own greedy continuation
+  from there (``DOWN_OFFSETS``; fewer where the continuation ends sooner). At run time the verifier's
+  block pass holds such a state for a mismatch at least that many draft tokens before the block's
+  end, read on the drafter's continuation; a decision taken that late would have to hold the tokens
+  after the mismatch back until it is made. ``hidden+downW`` whitens [h_D; h_T; h_downW] together.
+  Computed with the llama.cpp target (``down_states``: the continuations of an answer's mismatches
+  decoded side by side) and cached.
 
 Models: L2 logistic regression and a one-hidden-layer MLP (64 units, dropout 0.5, weight decay),
 both full-batch Adam in torch, trained on ``critical`` or ``harmful`` labels. Folds are grouped by
@@ -69,15 +77,18 @@ def window_features(r: dict) -> list[float]:
     return [agree, agree / max(room, 1), float(agree >= room)]
 
 
-def load(folders: list[str], tokenizer: str, after_cache: Path | None = None, target: str = "", window: bool = False):
+def load(folders: list[str], tokenizer: str, after_cache: Path | None = None, target: str = "", window: bool = False,
+         down_cache: Path | None = None):
     from transformers import AutoTokenizer
 
     from wisv_ros.sd.models import resolve
     tok = AutoTokenizer.from_pretrained(resolve(tokenizer))
-    rows = {"target": [], "text": [], "window": [], "hd": [], "ht": [], "ha": [], "critical": [], "harmful": [], "group": []}
+    rows = {"target": [], "text": [], "window": [], "hd": [], "ht": [], "ha": [], "hdown": [], "critical": [], "harmful": [],
+            "group": []}
     for folder in folders:
         tr = load_traces(Path(folder))
         ha = cached_after_states(folder, tr, after_cache, target) if after_cache is not None else None
+        hdown = cached_down_states(folder, tr, down_cache, target) if down_cache is not None else None
         ref = reference_answers(tr)
         crit, harm = task_labels(tr, "critical", ref), task_labels(tr, "harmful", ref)
         for i, r in enumerate(tr.records):
@@ -92,6 +103,8 @@ def load(folders: list[str], tokenizer: str, after_cache: Path | None = None, ta
             rows["ht"].append(tr.h_target[i])
             if ha is not None:
                 rows["ha"].append(ha[i])
+            if hdown is not None:
+                rows["hdown"].append(hdown[i])
             rows["critical"].append(int(crit[i]))
             rows["harmful"].append(int(harm[i]))
             rows["group"].append(f"{folder}:{r['problem_id']}")
@@ -145,6 +158,73 @@ def cached_after_states(folder: str, tr, cache: Path, target_spec: str) -> np.nd
     return np.stack([have[r["uid"]] for r in tr.records]).astype(np.float32)
 
 
+DOWN_OFFSETS = (0, 4, 8, 16)
+
+
+def down_states(records: list[dict], problems: dict[str, dict], target, searched: bool,
+                offsets: tuple[int, ...] = DOWN_OFFSETS, slots: int = 16, progress=None) -> np.ndarray:
+    """The target's final-norm hidden state after it reads each record's draft token and the next
+    ``o`` tokens of its greedy continuation from there, for every ``o`` in ``offsets`` (the last state
+    of the continuation where it ends sooner, at an end-of-sequence token). The text before the draft
+    token is the answer the mismatch was met on (as in ``after_states``). ``target``: a ``LlamaCppLM``
+    with ``n_seq_max >= slots + 1``; one answer's continuations run side by side (``branch_pool``),
+    each branching off the answer held in session 0. Returns [len(records), len(offsets), d_T] float16."""
+    depth = max(offsets) + 1  # row o is the pass over the o-th continuation token: o + 1 tokens fed
+    out = np.zeros((len(records), len(offsets), target.hidden_size), np.float16)
+    by_pid: dict[str, list[int]] = {}
+    for i, r in enumerate(records):
+        by_pid.setdefault(r["problem_id"], []).append(i)
+    target.use(0)
+    for pid, rows in by_pid.items():
+        p = problems[pid]
+        text = p["path_ids"] if searched else p["generated_ids"]
+        for i in rows:
+            if int(records[i]["position"]) > len(text):
+                raise ValueError(f"{records[i]['uid']}: position {records[i]['position']} is past its answer ({len(text)} tokens)")
+        pending = target.sync(p["prompt_ids"] + text)
+        if pending:
+            target.feed(pending, n_logits=1)
+        todo = list(rows)
+
+        def next_branch():
+            if not todo:
+                return None
+            i = todo.pop()
+            return i, 0, len(p["prompt_ids"]) + int(records[i]["position"]), int(records[i]["draft_id"])
+
+        for i, _cont, trace in target.branch_pool(next_branch, depth, lambda _k, _c: False, slots, trace_top=1):
+            last = len(trace.hidden) - 1
+            out[i] = np.stack([trace.hidden[min(o, last)] for o in offsets]).astype(np.float16)
+        if progress is not None:
+            progress.update(1)
+    return out
+
+
+def cached_down_states(folder: str, tr, cache: Path, target_spec: str) -> np.ndarray:
+    """``down_states`` of a trace folder's records, from ``cache/<folder name>.npz`` (by uid, for
+    ``DOWN_OFFSETS``) where there, computed (and the cache rewritten after each 20 answers) for the rest."""
+    path = cache / f"{Path(folder).name}.npz"
+    have: dict[str, np.ndarray] = {}
+    if path.is_file():
+        with np.load(path) as z:
+            if tuple(z["offsets"].tolist()) == DOWN_OFFSETS:
+                have = dict(zip(z["uid"].tolist(), z["h_down"]))
+    missing = [r for r in tr.records if r["uid"] not in have]
+    if missing:
+        from wisv_ros.sd.llama_cpp_lm import LlamaCppLM
+        pids = list(dict.fromkeys(r["problem_id"] for r in missing))
+        cache.mkdir(parents=True, exist_ok=True)
+        with LlamaCppLM.from_gguf(target_spec, n_ctx=4096, threads=1, n_seq_max=17, n_sessions=1) as lm, \
+                tqdm(total=len(pids), desc=f"down states {Path(folder).name}", unit="answer") as bar:
+            for start in range(0, len(pids), 20):
+                part = [r for r in missing if r["problem_id"] in set(pids[start:start + 20])]
+                got = down_states(part, tr.problems, lm, tr.meta.get("search") is not None, progress=bar)
+                have.update(zip([r["uid"] for r in part], got))
+                np.savez_compressed(path, uid=np.array(list(have)), h_down=np.stack(list(have.values())),
+                                    offsets=np.array(DOWN_OFFSETS))
+    return np.stack([have[r["uid"]] for r in tr.records]).astype(np.float32)
+
+
 def folds_by_group(groups: np.ndarray, n: int, seed: int = 0) -> list[np.ndarray]:
     names = np.unique(groups)
     np.random.default_rng(seed).shuffle(names)
@@ -188,6 +268,8 @@ def fit_predict(model: str, x_tr: np.ndarray, y_tr: np.ndarray, x_te: np.ndarray
 
 SETS = {"target": ("target",), "text": ("text",), "target+text": ("target", "text"), "hidden": ("hidden",),
         "hidden+target+text": ("hidden", "target", "text")}
+DOWN_SETS = {"hidden": ("hidden",), **{f"down{o}": (f"down{o}",) for o in DOWN_OFFSETS},
+             **{f"hidden+down{o}": (f"hidden+down{o}",) for o in DOWN_OFFSETS}}
 AFTER_SETS = {"hidden": ("hidden",), "after": ("after",), "hidden+after": ("hidden+after",)}
 WINDOW_SETS = {"window": ("window",), "hidden": ("hidden",), "hidden+window": ("hidden", "window"),
                "hidden+target+text": ("hidden", "target", "text"),
@@ -206,16 +288,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", action="store_true", help="screen the FLy window after the mismatch instead "
                    "(feature sets window, hidden, hidden+window, hidden+target+text, hidden+target+text+window; "
                    "traces of the target's own text only)")
+    p.add_argument("--down", action="store_true", help="screen the target's hidden state further down the swapped "
+                   "text instead (after the draft token and 0, 4, 8, 16 tokens of the target's continuation; feature "
+                   "sets hidden, downW, hidden+downW; computes the states with the llama.cpp target)")
+    p.add_argument("--down-cache", type=Path, default=Path("runs/head_features_down"),
+                   help="where --down keeps the computed states, one .npz per folder (default %(default)s)")
     p.add_argument("--after-cache", type=Path, default=Path("runs/head_features_after"),
                    help="where --after keeps the computed states, one .npz per folder (default %(default)s)")
     p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="the traces' target, for --after (GGUF)")
     args = p.parse_args(argv)
     if args.folds < 2:
         p.error(f"--folds must be >= 2 (got {args.folds})")
-    if args.after and args.window:
-        p.error("--after and --window screen different traces (searched and not): pick one")
+    if args.after + args.window + args.down > 1:
+        p.error("--after, --window and --down are separate screens: pick one")
     try:
-        data = load(args.traces, args.tokenizer, args.after_cache if args.after else None, args.target, args.window)
+        data = load(args.traces, args.tokenizer, args.after_cache if args.after else None, args.target, args.window,
+                    args.down_cache if args.down else None)
     except ValueError as e:
         p.error(str(e))
     n = len(data["group"])
@@ -236,6 +324,14 @@ def main(argv: list[str] | None = None) -> int:
         for test, fold in zip(folds, inputs):
             fold["after"] = pca(data["ha"][~test], data["ha"], args.pca)
             fold["hidden+after"] = pca(ha[~test], ha, args.pca)
+    if args.down:
+        sets = DOWN_SETS
+        for test, fold in zip(folds, inputs):
+            for k, o in enumerate(DOWN_OFFSETS):
+                hd = data["hdown"][:, k]
+                both = np.concatenate([h, hd], axis=1)
+                fold[f"down{o}"] = pca(hd[~test], hd, args.pca)
+                fold[f"hidden+down{o}"] = pca(both[~test], both, args.pca)
     jobs = [(s, m, lab) for s in sets for m in ("logistic", "mlp") for lab in ("critical", "harmful")]
     out = []
     for name, model, label in tqdm(jobs, desc="feature screen", unit="model"):
