@@ -217,7 +217,8 @@ def cached_down_states(folder: str, tr, cache: Path, target_spec: str) -> np.nda
         with LlamaCppLM.from_gguf(target_spec, n_ctx=4096, threads=1, n_seq_max=17, n_sessions=1) as lm, \
                 tqdm(total=len(pids), desc=f"down states {Path(folder).name}", unit="answer") as bar:
             for start in range(0, len(pids), 20):
-                part = [r for r in missing if r["problem_id"] in set(pids[start:start + 20])]
+                chunk = set(pids[start:start + 20])
+                part = [r for r in missing if r["problem_id"] in chunk]
                 got = down_states(part, tr.problems, lm, tr.meta.get("search") is not None, progress=bar)
                 have.update(zip([r["uid"] for r in part], got))
                 np.savez_compressed(path, uid=np.array(list(have)), h_down=np.stack(list(have.values())),
