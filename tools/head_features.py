@@ -87,8 +87,10 @@ def load(folders: list[str], tokenizer: str, after_cache: Path | None = None, ta
             "group": []}
     for folder in folders:
         tr = load_traces(Path(folder))
-        ha = cached_after_states(folder, tr, after_cache, target) if after_cache is not None else None
-        hdown = cached_down_states(folder, tr, down_cache, target) if down_cache is not None else None
+        ha = (cached_states(folder, tr, after_cache, target, "after", after_states, n_seq_max=1)
+              if after_cache is not None else None)
+        hdown = (cached_states(folder, tr, down_cache, target, "down", down_states, n_seq_max=17,
+                               meta={"offsets": DOWN_OFFSETS}) if down_cache is not None else None)
         ref = reference_answers(tr)
         crit, harm = task_labels(tr, "critical", ref), task_labels(tr, "harmful", ref)
         for i, r in enumerate(tr.records):
@@ -111,6 +113,23 @@ def load(folders: list[str], tokenizer: str, after_cache: Path | None = None, ta
     return {k: np.asarray(v, dtype=object if k == "group" else np.float32) for k, v in rows.items()}
 
 
+def by_answer(records: list[dict], problems: dict[str, dict], searched: bool):
+    """The records grouped by answer: ``(problem, text, record indices)`` per answer, text being the
+    answer its mismatches were met on (the searched path, whose text before a mismatch never changes
+    later, or the target's own answer). A record whose position is past its text is refused."""
+    by_pid: dict[str, list[int]] = {}
+    for i, r in enumerate(records):
+        by_pid.setdefault(r["problem_id"], []).append(i)
+    for pid, rows in by_pid.items():
+        p = problems[pid]
+        text = p["path_ids"] if searched else p["generated_ids"]
+        for i in rows:
+            if int(records[i]["position"]) > len(text):
+                raise ValueError(f"{records[i]['uid']}: position {records[i]['position']} is past its answer "
+                                 f"({len(text)} tokens)")
+        yield p, text, rows
+
+
 def after_states(records: list[dict], problems: dict[str, dict], target, searched: bool, progress=None) -> np.ndarray:
     """The target's final-norm hidden state after it reads each record's draft token: the last row of
     a feed of prompt + text[:position] + [draft_id], text being the answer the mismatch was met on
@@ -118,18 +137,11 @@ def after_states(records: list[dict], problems: dict[str, dict], target, searche
     answer). ``target``: a ``LlamaCppLM``; each answer's records reuse its cache up to the
     previous one. Returns [len(records), d_T] float16."""
     out = np.zeros((len(records), target.hidden_size), np.float16)
-    by_pid: dict[str, list[int]] = {}
-    for i, r in enumerate(records):
-        by_pid.setdefault(r["problem_id"], []).append(i)
     target.use(0)
-    for pid, rows in by_pid.items():
-        p = problems[pid]
-        text = p["path_ids"] if searched else p["generated_ids"]
+    for p, text, rows in by_answer(records, problems, searched):
         for i in sorted(rows, key=lambda i: records[i]["position"]):
             r = records[i]
             j = int(r["position"])
-            if j > len(text):
-                raise ValueError(f"{r['uid']}: position {j} is past its answer ({len(text)} tokens)")
             pending = target.sync(p["prompt_ids"] + text[:j] + [int(r["draft_id"])])
             out[i] = target.feed(pending, n_logits=1).hidden[-1].numpy().astype(np.float16)
         if progress is not None:
@@ -137,26 +149,32 @@ def after_states(records: list[dict], problems: dict[str, dict], target, searche
     return out
 
 
-def cached_after_states(folder: str, tr, cache: Path, target_spec: str) -> np.ndarray:
-    """``after_states`` of a trace folder's records, from ``cache/<folder name>.npz`` (by uid) where
-    there, computed (and the cache rewritten) for the rest."""
+def cached_states(folder: str, tr, cache: Path, target_spec: str, name: str, compute, n_seq_max: int,
+                  meta: dict | None = None) -> np.ndarray:
+    """States of a trace folder's records from ``cache/<folder name>.npz`` (array ``h_<name>`` by uid;
+    ignored where its ``meta`` arrays differ), ``compute(records, problems, lm, searched, progress)``
+    with the llama.cpp target ``target_spec`` for the rest, 20 answers at a time, the cache rewritten after each."""
     path = cache / f"{Path(folder).name}.npz"
+    meta = {k: np.asarray(v) for k, v in (meta or {}).items()}
     have: dict[str, np.ndarray] = {}
     if path.is_file():
         with np.load(path) as z:
-            have = dict(zip(z["uid"].tolist(), z["h_after"]))
+            if all(k in z and np.array_equal(z[k], v) for k, v in meta.items()):
+                have = dict(zip(z["uid"].tolist(), z[f"h_{name}"]))
     missing = [r for r in tr.records if r["uid"] not in have]
     if missing:
         from wisv_ros.sd.llama_cpp_lm import LlamaCppLM
-        n_ans = len({r["problem_id"] for r in missing})
-        with LlamaCppLM.from_gguf(target_spec, n_ctx=4096, threads=1, n_seq_max=1, n_sessions=1) as lm, \
-                tqdm(total=n_ans, desc=f"after states {Path(folder).name}", unit="answer") as bar:
-            got = after_states(missing, tr.problems, lm, tr.meta.get("search") is not None, bar)
-        have.update(zip([r["uid"] for r in missing], got))
+        pids = list(dict.fromkeys(r["problem_id"] for r in missing))
         cache.mkdir(parents=True, exist_ok=True)
-        np.savez_compressed(path, uid=np.array(list(have)), h_after=np.stack(list(have.values())))
+        with LlamaCppLM.from_gguf(target_spec, n_ctx=4096, threads=1, n_seq_max=n_seq_max, n_sessions=1) as lm, \
+                tqdm(total=len(pids), desc=f"{name} states {Path(folder).name}", unit="answer") as bar:
+            for start in range(0, len(pids), 20):
+                chunk = set(pids[start:start + 20])
+                part = [r for r in missing if r["problem_id"] in chunk]
+                got = compute(part, tr.problems, lm, tr.meta.get("search") is not None, progress=bar)
+                have.update(zip([r["uid"] for r in part], got))
+                np.savez_compressed(path, uid=np.array(list(have)), **{f"h_{name}": np.stack(list(have.values()))}, **meta)
     return np.stack([have[r["uid"]] for r in tr.records]).astype(np.float32)
-
 
 DOWN_OFFSETS = (0, 4, 8, 16)
 
@@ -171,16 +189,8 @@ def down_states(records: list[dict], problems: dict[str, dict], target, searched
     each branching off the answer held in session 0. Returns [len(records), len(offsets), d_T] float16."""
     depth = max(offsets) + 1  # row o is the pass over the o-th continuation token: o + 1 tokens fed
     out = np.zeros((len(records), len(offsets), target.hidden_size), np.float16)
-    by_pid: dict[str, list[int]] = {}
-    for i, r in enumerate(records):
-        by_pid.setdefault(r["problem_id"], []).append(i)
     target.use(0)
-    for pid, rows in by_pid.items():
-        p = problems[pid]
-        text = p["path_ids"] if searched else p["generated_ids"]
-        for i in rows:
-            if int(records[i]["position"]) > len(text):
-                raise ValueError(f"{records[i]['uid']}: position {records[i]['position']} is past its answer ({len(text)} tokens)")
+    for p, text, rows in by_answer(records, problems, searched):
         pending = target.sync(p["prompt_ids"] + text)
         if pending:
             target.feed(pending, n_logits=1)
@@ -198,32 +208,6 @@ def down_states(records: list[dict], problems: dict[str, dict], target, searched
         if progress is not None:
             progress.update(1)
     return out
-
-
-def cached_down_states(folder: str, tr, cache: Path, target_spec: str) -> np.ndarray:
-    """``down_states`` of a trace folder's records, from ``cache/<folder name>.npz`` (by uid, for
-    ``DOWN_OFFSETS``) where there, computed (and the cache rewritten after each 20 answers) for the rest."""
-    path = cache / f"{Path(folder).name}.npz"
-    have: dict[str, np.ndarray] = {}
-    if path.is_file():
-        with np.load(path) as z:
-            if tuple(z["offsets"].tolist()) == DOWN_OFFSETS:
-                have = dict(zip(z["uid"].tolist(), z["h_down"]))
-    missing = [r for r in tr.records if r["uid"] not in have]
-    if missing:
-        from wisv_ros.sd.llama_cpp_lm import LlamaCppLM
-        pids = list(dict.fromkeys(r["problem_id"] for r in missing))
-        cache.mkdir(parents=True, exist_ok=True)
-        with LlamaCppLM.from_gguf(target_spec, n_ctx=4096, threads=1, n_seq_max=17, n_sessions=1) as lm, \
-                tqdm(total=len(pids), desc=f"down states {Path(folder).name}", unit="answer") as bar:
-            for start in range(0, len(pids), 20):
-                chunk = set(pids[start:start + 20])
-                part = [r for r in missing if r["problem_id"] in chunk]
-                got = down_states(part, tr.problems, lm, tr.meta.get("search") is not None, progress=bar)
-                have.update(zip([r["uid"] for r in part], got))
-                np.savez_compressed(path, uid=np.array(list(have)), h_down=np.stack(list(have.values())),
-                                    offsets=np.array(DOWN_OFFSETS))
-    return np.stack([have[r["uid"]] for r in tr.records]).astype(np.float32)
 
 
 def folds_by_group(groups: np.ndarray, n: int, seed: int = 0) -> list[np.ndarray]:
