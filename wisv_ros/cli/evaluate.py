@@ -505,40 +505,44 @@ def _wisv_goals(args, rows: list[dict], results: Path, profiles) -> str:
 
 def _wisv_goals_plot(rows: list[dict], path: Path) -> None:
     """Left: AAL by channel, one line per (K, head, tau) (fly: its setting), greedy SD at each K
-    dashed; right: net answers lost against AAL gain."""
+    dashed; right: net answers lost against AAL gain. Every series has a colour and marker of its
+    own (ten colours, then the next marker), and the legends stand beside the axes."""
+    from matplotlib import colormaps
     from matplotlib.figure import Figure
 
     from wisv_ros.eval.wisv_goals import scenario_order
 
     first = rows[0]["deployment"]
     rows = [r for r in rows if r["deployment"] == first]
-    fig = Figure(figsize=(11, 4), dpi=100)
+    fig = Figure(figsize=(15, 4.8), dpi=100, layout="constrained")
     a1, a2 = fig.subplots(1, 2)
+    styles = [(c, m) for m in "os^Dv<>ph*" for c in colormaps["tab10"].colors]
     order = scenario_order(8, 896, 0.1)
     def line(r):
         return (r["k"], r["head"], "" if r["tau"] in ("", None) else float(r["tau"]))
 
-    for key in sorted(dict.fromkeys(line(r) for r in rows), key=str):
+    for n, key in enumerate(sorted(dict.fromkeys(line(r) for r in rows), key=str)):
         pts = {r["scenario"]: r["aal"] for r in rows if line(r) == key}
         xs = [i for i, s in enumerate(order) if s in pts]
-        a1.plot(xs, [pts[order[i]] for i in xs], "o-", label=f"K {key[0]} {key[1]}" + (f" τ {key[2]:g}" if key[2] != "" else ""))
+        color, marker = styles[n % len(styles)]
+        a1.plot(xs, [pts[order[i]] for i in xs], "-", color=color, marker=marker, label=f"K {key[0]} {key[1]}" + (f" τ {key[2]:g}" if key[2] != "" else ""))
     for k in dict.fromkeys(r["k"] for r in rows):
         g = {r["scenario"]: r["greedy_aal"] for r in rows if r["k"] == k}
         xs = [i for i, s in enumerate(order) if s in g]
         a1.plot(xs, [g[order[i]] for i in xs], "kx--", alpha=0.5, label=f"greedy SD K {k}")
     a1.set_xticks(range(len(order)), order, fontsize=7)
     a1.set(xlabel="channel (worst to best)", ylabel="AAL (tokens per round)")
-    a1.legend(fontsize=6)
-    for r in rows:
-        a2.errorbar(100 * r["aal_gain"], r["net"], yerr=[[r["net"] - r["net_lo"]], [r["net_hi"] - r["net"]]], fmt="o",
-                    capsize=2, label=f"{r['system']} @ {r['scenario']}")
+    a1.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    for n, r in enumerate(rows):
+        color, marker = styles[n % len(styles)]
+        a2.errorbar(100 * r["aal_gain"], r["net"], yerr=[[r["net"] - r["net_lo"]], [r["net_hi"] - r["net"]]], fmt=marker,
+                    color=color, capsize=2, label=f"{r['system']} @ {r['scenario']}")
     a2.axhline(1, color="r", lw=0.8, ls=":")
     a2.axvline(40, color="r", lw=0.8, ls=":")
     a2.set(xlabel="AAL gain over greedy SD (%)", ylabel="net answers lost vs target alone (95 % CI)")
-    a2.legend(fontsize=5)
+    a2.legend(fontsize=5, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     for ax in (a1, a2):
         ax.grid(alpha=0.3)
-    fig.tight_layout()
     fig.savefig(path)
 
 
