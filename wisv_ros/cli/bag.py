@@ -192,7 +192,8 @@ def _record(args) -> int:
 
     try:
         run_node(recorder, args=args.rclpy_args,
-                 until=lambda: stop.is_set() or (deadline is not None and time.monotonic() >= deadline))
+                 until=lambda: stop.is_set() or (deadline is not None and time.monotonic() >= deadline),
+                 process_exit=False)
     finally:
         writer.close()
     total = sum(writer.counts.values())

@@ -4,6 +4,8 @@ Only rclpy API that ROS 2 Humble already has is used here (no ``with rclpy.init(
 """
 from __future__ import annotations
 
+import faulthandler
+import sys
 import threading
 from typing import Callable
 
@@ -186,7 +188,14 @@ def offload(node: Node, fn: Callable, *args):
     return future
 
 
-def run_node(factory: Callable[[], Node], args=None, until: Callable[[], bool] | None = None) -> None:
+TEARDOWN_TIMEOUT_S = 10.0
+"""How long a node's teardown (its ``destroy_node`` and ``rclpy.try_shutdown``) may take before the
+process exits anyway; a node class whose ``destroy_node`` waits for its own threads sets
+``teardown_timeout_s`` to that wait plus this."""
+
+
+def run_node(factory: Callable[[], Node], args=None, until: Callable[[], bool] | None = None, *,
+             process_exit: bool = True) -> None:
     """rclpy.init, build the node, spin it on a SingleThreadedExecutor (until ``until()`` is true, if
     given, else until shutdown), shut down cleanly.
 
@@ -197,6 +206,20 @@ def run_node(factory: Callable[[], Node], args=None, until: Callable[[], bool] |
     for SingleThreadedExecutor (``python -m wisv_ros.cli.executor_latency``; rclpy issues #1223,
     #1452). Node tests with it failed at random. Written without ``with rclpy.init()`` (not in
     Humble).
+
+    Shutdown. A signal shuts the context down while callbacks may still be queued; one that then
+    publishes raises (``publisher's context is invalid``): after shutdown that ends the spin like
+    the signal does, before it the error propagates. The teardown runs under a watchdog
+    (``faulthandler``, a C thread, so it fires while the main thread holds the GIL): Fast DDS
+    sometimes deadlocks while it destroys the participant when the other processes leave at the
+    same moment (seen about 1 in 10 when nine link nodes got SIGINT together: rcl_node_fini waits in
+    ``DomainParticipant::set_listener`` on discovery threads that wait on each other). If the
+    teardown takes longer than ``teardown_timeout_s`` (default ``TEARDOWN_TIMEOUT_S``), the process
+    prints ``Timeout (0:00:10)!`` and every thread's stack to stderr and exits with code 1, instead
+    of hanging until something kills it. With ``process_exit`` (a node's ``main``: the process ends
+    when this returns) the watchdog stays armed through the interpreter's exit, where the same
+    deadlock was also seen (a link emulator whose summary line, written in ``destroy_node``, was its
+    last output); a caller that goes on after it (``bag record``) passes False.
     """
     rclpy.init(args=args)
     node = None
@@ -205,10 +228,20 @@ def run_node(factory: Callable[[], Node], args=None, until: Callable[[], bool] |
         executor = SingleThreadedExecutor()
         executor.add_node(node)
         while rclpy.ok() and not (until is not None and until()):
-            executor.spin_once(timeout_sec=0.1 if until is not None else None)
+            try:
+                executor.spin_once(timeout_sec=0.1 if until is not None else None)
+            except Exception:  # noqa: BLE001 - tolerated only once the context is shut down
+                if rclpy.ok():
+                    raise
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
     finally:
-        if node is not None:
-            node.destroy_node()
-        rclpy.try_shutdown()
+        timeout_s = float(getattr(node, "teardown_timeout_s", TEARDOWN_TIMEOUT_S))
+        faulthandler.dump_traceback_later(timeout_s, exit=True, file=sys.stderr)
+        try:
+            if node is not None:
+                node.destroy_node()
+            rclpy.try_shutdown()
+        finally:
+            if not process_exit:
+                faulthandler.cancel_dump_traceback_later()

@@ -64,8 +64,8 @@ from wisv_ros.interfaces.wire import WireError
 from wisv_ros.link.channel import SCENARIOS
 from wisv_ros.link.channel import ChannelState as LinkChannel
 from wisv_ros.nodes.transport import HiddenFetch
-from wisv_ros.nodes.common import (QOS_DEPTH, RELIABLE_QOS, ServingNode, declare, frozen_after_start, msg_bytes, reliable_qos,
-                                    run_node, stamp_age_s, stamp_now)
+from wisv_ros.nodes.common import (QOS_DEPTH, RELIABLE_QOS, TEARDOWN_TIMEOUT_S, ServingNode, declare, frozen_after_start,
+                                    msg_bytes, reliable_qos, run_node, stamp_age_s, stamp_now)
 from wisv_ros.sd.acceptance import FLY_ENTROPY, FLY_WINDOW
 from wisv_ros.sd.engines import BACKENDS, load_lm, resolve_backend
 from wisv_ros.sd.models import WEIGHT_DTYPES, resolve_dtype
@@ -354,6 +354,9 @@ class VerifierNode(ServingNode):
         return got if got is not None else SCENARIOS[self._param("default_channel")]
 
     # ------------------------------------------------------------------ blocks
+    # run_node's teardown watchdog: the join below, then the middleware's own teardown.
+    teardown_timeout_s = 30.0 + TEARDOWN_TIMEOUT_S
+
     def destroy_node(self) -> None:
         """Stop the verification thread (after the block it is on) before the node goes.
 
