@@ -354,8 +354,10 @@ class VerifierNode(ServingNode):
         return got if got is not None else SCENARIOS[self._param("default_channel")]
 
     # ------------------------------------------------------------------ blocks
-    # run_node's teardown watchdog: the join below, then the middleware's own teardown.
-    teardown_timeout_s = 30.0 + TEARDOWN_TIMEOUT_S
+    # How long destroy_node waits for the block being verified; run_node's teardown watchdog allows
+    # that wait plus the middleware's own teardown.
+    verify_join_s = 30.0
+    teardown_timeout_s = verify_join_s + TEARDOWN_TIMEOUT_S
 
     def destroy_node(self) -> None:
         """Stop the verification thread (after the block it is on) before the node goes.
@@ -364,7 +366,7 @@ class VerifierNode(ServingNode):
         process abort ("terminate called without an active exception"), seen after a demo goal.
         """
         self._blocks.put(None)
-        self._verify_thread.join(timeout=30.0)
+        self._verify_thread.join(timeout=self.verify_join_s)
         super().destroy_node()
 
     def _queue_block(self, msg, robot: str = "") -> None:
